@@ -1,0 +1,56 @@
+"""System checks: misconfiguration is reported with a hint, never by a crash at import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.checks import Error, Tags, Warning, register
+
+from .conf import conf
+from .errors import FanoutError
+
+
+@register(Tags.compatibility)
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    from .pools import limits_from_config
+
+    problems: list[Any] = []
+    pools = conf.POOLS
+    if not isinstance(pools, dict):
+        return [Error("FANOUT_POOLS must be a dict of pool name to limits", id="fanout.E001")]
+    for name, config in pools.items():
+        try:
+            if not isinstance(config, dict):
+                raise FanoutError(f"FANOUT_POOLS[{name!r}] must be a dict")
+            limits_from_config(name, config)
+        except FanoutError as exc:
+            problems.append(
+                Error(
+                    str(exc), hint='e.g. {"max_concurrency": 10, "rate": "100/m"}', id="fanout.E002"
+                )
+            )
+    try:
+        lease = float(conf.LEASE_SECONDS)
+    except (TypeError, ValueError):
+        lease = 0.0
+    if lease <= 0:
+        problems.append(Error("FANOUT_LEASE_SECONDS must be a number > 0", id="fanout.E003"))
+    return problems
+
+
+@register("fanout")
+def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    from django.conf import settings
+
+    queues = getattr(settings, "RQ_QUEUES", None)
+    if queues is None:
+        return []  # the inline executor needs no RQ
+    if conf.QUEUE not in queues:
+        return [
+            Warning(
+                f"RQ_QUEUES has no {conf.QUEUE!r} queue: run_fanout --executor rq cannot dispatch",
+                hint=f'add "{conf.QUEUE}": {{"URL": REDIS_URL}} to RQ_QUEUES',
+                id="fanout.W001",
+            )
+        ]
+    return []

@@ -1,0 +1,261 @@
+"""Claim: take ownership of admissible items in one short transaction.
+
+The transaction locks the run row (serialising claimers of one run, so max_parallel is
+decided from an exact count of live leases), then each pool row it admits into (blocking,
+in name order, so pools' concurrency and token buckets are decided under their lock), then
+the items themselves with SKIP LOCKED. Handlers run after it commits: it must stay short,
+because every claimer of the same run and pool waits on it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import Count, F
+from django.utils import timezone
+
+from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from .pools import Headroom, headroom, refill
+
+# Candidates looked at per admitted slot when items choose their pool: enough to see past
+# items of a full pool without locking a whole run's worth of rows.
+_LOOKAHEAD = 4
+_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class ClaimedItem:
+    pk: int
+    key: str
+    index: int
+    payload: Any
+    pool: str
+    attempt: int
+
+
+@dataclass
+class ClaimResult:
+    token: uuid.UUID | None
+    items: list[ClaimedItem] = field(default_factory=list)
+    run_status: str = RunStatus.RUNNING
+    failure_policy: str = "collect"
+    # Why nothing more was claimed, and the earliest time worth trying again.
+    reason: str = ""
+    retry_at: datetime | None = None
+    # Items failed because their owners kept dying (crash budget spent).
+    crashed_out: int = 0
+
+    @property
+    def run_open(self) -> bool:
+        return self.run_status == RunStatus.RUNNING
+
+
+def _lock_run(run_id: int) -> dict[str, Any] | None:
+    runs = BatchRun.objects.filter(pk=run_id)
+    if connection.features.has_select_for_update:
+        return runs.select_for_update().values("status", "max_parallel", "failure_policy").first()
+    # SQLite has no row locks: writing first takes the database's write lock for the whole
+    # transaction, which serialises claimers as FOR UPDATE would (and never upgrades a read lock).
+    runs.update(status=F("status"))
+    return runs.values("status", "max_parallel", "failure_policy").first()
+
+
+def _lock_pools(names: list[str], skip_locked: bool = False) -> dict[str, CapacityPool]:
+    rows = CapacityPool.objects.filter(name__in=names).order_by("name")
+    return {p.name: p for p in rows.select_for_update(skip_locked=skip_locked)}
+
+
+def _pool_in_flight(names: list[str], now: datetime) -> Counter[str]:
+    rows = (
+        ItemClaim.objects.in_flight(now)
+        .filter(pool__in=names)
+        .values("pool")
+        .annotate(n=Count("pk"))
+        .values_list("pool", "n")
+    )
+    return Counter(dict(rows))
+
+
+def _candidates(run_id: int, now: datetime, limit: int, exclude_pools: set[str]) -> list[dict]:
+    fields = ("pk", "key", "index", "payload", "pool", "attempt", "crashes", "status")
+    found: list[dict] = []
+    # Expired leases first: their owners died, and they are the oldest work.
+    for qs in (ItemClaim.objects.expired(now), ItemClaim.objects.pending_due(now)):
+        if len(found) >= limit:
+            break
+        qs = qs.filter(run_id=run_id)
+        if exclude_pools:
+            qs = qs.exclude(pool__in=exclude_pools)
+        qs = qs.exclude(pk__in=[c["pk"] for c in found]) if found else qs
+        found += list(
+            qs.order_by("index")
+            .select_for_update(skip_locked=True)
+            .values(*fields)[: limit - len(found)]
+        )
+    return found
+
+
+def claim(
+    run_id: int,
+    owner: str,
+    limit: int,
+    lease_seconds: float,
+    crash_budget: int,
+    static_pool: str | None,
+) -> ClaimResult:
+    """Claim up to ``limit`` items of the run for ``owner``; say why when fewer are claimed."""
+    with transaction.atomic():
+        run = _lock_run(run_id)
+        if run is None:
+            return ClaimResult(None, run_status="deleted", reason="run deleted")
+        result = ClaimResult(None, run_status=run["status"], failure_policy=run["failure_policy"])
+        if run["status"] != RunStatus.RUNNING:
+            result.reason = f"run {run['status']}"
+            return result
+        # Read the clock after the lock: time spent waiting for it must not age the decision.
+        now = timezone.now()
+        in_flight = ItemClaim.objects.in_flight(now).filter(run_id=run_id).count()
+        room = run["max_parallel"] - in_flight
+        if room <= 0:
+            result.reason = f"run at max_parallel ({in_flight}/{run['max_parallel']})"
+            return result
+        limit = min(limit, room)
+
+        admitted: list[dict] = []
+        failed_out: list[int] = []
+        pools: dict[str, CapacityPool] = {}
+        rooms: dict[str, Headroom] = {}
+        blocked: set[str] = set()
+
+        def open_pools(names: list[str], skip_locked: bool) -> None:
+            locked = _lock_pools(names, skip_locked)
+            counts = _pool_in_flight(list(locked), now)
+            for name in names:
+                pool = locked.get(name)
+                if pool is None:
+                    # Missing (deleted) or, in a later round, locked by another claimer.
+                    rooms[name] = Headroom(0, f"pool {name} unavailable")
+                else:
+                    refill(pool, now)
+                    pools[name] = pool
+                    rooms[name] = headroom(pool, counts[name], now)
+                if rooms[name].count <= 0:
+                    blocked.add(name)
+
+        if static_pool:
+            # Pools are locked before items so that admission is decided on one consistent view.
+            open_pools([static_pool], skip_locked=False)
+            limit = min(limit, rooms[static_pool].count)
+        for round_no in range(_ROUNDS):
+            want = limit - len(admitted)
+            if want <= 0:
+                break
+            lookahead = (
+                want if static_pool is not None or round_no == _ROUNDS - 1 else want * _LOOKAHEAD
+            )
+            found = _candidates(run_id, now, lookahead, blocked)
+            found = [c for c in found if c["pk"] not in {a["pk"] for a in admitted}]
+            if not found:
+                break
+            new_pools = sorted({c["pool"] for c in found if c["pool"] and c["pool"] not in rooms})
+            if new_pools:
+                # Only the first round may wait for pool locks: it takes them in name order,
+                # and later rounds skip locked pools: no two claimers wait on each other.
+                open_pools(new_pools, skip_locked=round_no > 0)
+            for cand in found:
+                if len(admitted) >= limit:
+                    break
+                if cand["status"] == ItemStatus.RUNNING and cand["crashes"] + 1 > crash_budget:
+                    failed_out.append(cand["pk"])
+                    continue
+                name = cand["pool"]
+                if name:
+                    if rooms[name].count <= 0:
+                        continue
+                    rooms[name].count -= 1
+                    if pools[name].tokens is not None:
+                        pools[name].tokens = (pools[name].tokens or 0.0) - 1
+                admitted.append(cand)
+            if static_pool is not None or not found:
+                break
+
+        if failed_out:
+            ItemClaim.objects.filter(pk__in=failed_out).update(
+                status=ItemStatus.FAILED,
+                claim_token=None,
+                lease_expires_at=None,
+                crashes=F("crashes") + 1,
+                finished_at=now,
+                error_class="WorkerLost",
+                error=f"the worker running this item died {crash_budget + 1} times "
+                f"(crash budget {crash_budget})",
+            )
+            result.crashed_out = len(failed_out)
+
+        if admitted:
+            token = uuid.uuid4()
+            result.token = token
+            lease = now + timedelta(seconds=lease_seconds)
+            values = dict(
+                status=ItemStatus.RUNNING,
+                owner=owner[:200],
+                claim_token=token,
+                lease_expires_at=lease,
+                claimed_at=now,
+                started_at=now,
+                finished_at=None,
+            )
+            reclaimed = [c["pk"] for c in admitted if c["status"] == ItemStatus.RUNNING]
+            fresh = [c["pk"] for c in admitted if c["status"] != ItemStatus.RUNNING]
+            if reclaimed:
+                # The previous owner's lease ran out while it held the item: that is a crash.
+                ItemClaim.objects.filter(pk__in=reclaimed).update(
+                    crashes=F("crashes") + 1, **values
+                )
+            if fresh:
+                ItemClaim.objects.filter(pk__in=fresh).update(**values)
+            for name in {c["pool"] for c in admitted if c["pool"]}:
+                pool = pools[name]
+                if pool.tokens is not None:
+                    CapacityPool.objects.filter(pk=pool.pk).update(
+                        tokens=pool.tokens, tokens_at=pool.tokens_at
+                    )
+            result.items = [
+                ClaimedItem(c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"])
+                for c in admitted
+            ]
+
+        if len(admitted) < limit or not admitted:
+            reasons = [rooms[n] for n in sorted(blocked)]
+            if reasons:
+                result.reason = "; ".join(f"{n}: {rooms[n].reason}" for n in sorted(blocked))
+                times = [r.until for r in reasons if r.until]
+                result.retry_at = min(times) if times else None
+            elif not admitted:
+                result.reason = "nothing claimable"
+                result.retry_at = _next_due(run_id, now)
+        return result
+
+
+def _next_due(run_id: int, now: datetime) -> datetime | None:
+    """When the run's next item becomes claimable (a retry comes due or a lease runs out)."""
+    items = ItemClaim.objects.filter(run_id=run_id)
+    retry = (
+        items.filter(status=ItemStatus.PENDING, next_attempt_at__gt=now)
+        .order_by("next_attempt_at")
+        .values_list("next_attempt_at", flat=True)
+        .first()
+    )
+    lease = (
+        items.filter(status=ItemStatus.RUNNING)
+        .order_by("lease_expires_at")
+        .values_list("lease_expires_at", flat=True)
+        .first()
+    )
+    times = [t for t in (retry, lease) if t is not None]
+    return min(times) if times else None

@@ -1,0 +1,54 @@
+"""fanout's settings: every ``FANOUT_<NAME>`` read lazily so ``override_settings`` works."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings as django_settings
+
+DEFAULTS: dict[str, Any] = {
+    # Seconds a claim stays valid without renewal; renewed every third of it.
+    "LEASE_SECONDS": 30.0,
+    # How often a reclaimed-after-crash item may be claimed again before it is failed.
+    "CRASH_BUDGET": 3,
+    # Items one worker claims in one transaction (1 = commit every item).
+    "BATCH_SIZE": 1,
+    # Base of the exponential retry backoff, seconds, and its cap.
+    "RETRY_BACKOFF": 1.0,
+    "RETRY_BACKOFF_MAX": 300.0,
+    # Items read from the work list and inserted per transaction.
+    "MATERIALIZE_CHUNK": 2000,
+    # Pools created on migrate or first use: {"name": {"max_concurrency", "rate", "burst"}}.
+    "POOLS": {},
+    # Default django-rq queue of drain jobs and the seconds one drain job runs before yielding.
+    "QUEUE": "fanout",
+    "DRAIN_SECONDS": 60.0,
+    # Seconds a stopping worker lets its items finish before releasing them.
+    "STOP_GRACE_SECONDS": 10.0,
+    # Longest pause of an idle worker between claim attempts.
+    "IDLE_MAX_SECONDS": 0.25,
+}
+
+
+class Settings:
+    """Typed, lazy view of the FANOUT_* settings."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in DEFAULTS:
+            raise AttributeError(name)
+        return getattr(django_settings, f"FANOUT_{name}", DEFAULTS[name])
+
+    LEASE_SECONDS: float
+    CRASH_BUDGET: int
+    BATCH_SIZE: int
+    RETRY_BACKOFF: float
+    RETRY_BACKOFF_MAX: float
+    MATERIALIZE_CHUNK: int
+    POOLS: dict[str, dict[str, Any]]
+    QUEUE: str
+    DRAIN_SECONDS: float
+    STOP_GRACE_SECONDS: float
+    IDLE_MAX_SECONDS: float
+
+
+conf = Settings()

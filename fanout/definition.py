@@ -1,0 +1,321 @@
+"""FanOut definitions, the registry they join when constructed, and the Item a handler gets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import DefinitionNotFound, FanoutError
+
+if TYPE_CHECKING:
+    from .models import BatchRun
+
+FAILURE_POLICIES = ("fail_fast", "collect", "tolerate")
+JOIN_MODES = ("all", "any")
+EXECUTORS = ("inline", "rq")
+_IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1c1d2e-5b9a-4c36-9a52-7c0e7a1f0b11")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Item:
+    """What a handler gets: one item of the work list and where it stands."""
+
+    key: str
+    index: int
+    payload: Any
+    attempt: int
+    run_id: int
+    pool: str = ""
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across attempts and workers: hand it to the provider to deduplicate."""
+        return str(uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{self.run_id}:{self.key}"))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One item's final state, as the join sees it."""
+
+    key: str
+    index: int
+    status: str
+    result: Any
+    error: str
+    attempt: int
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "succeeded"
+
+
+_registry: dict[str, FanOut] = {}
+
+
+def registered() -> dict[str, FanOut]:
+    return dict(sorted(_registry.items()))
+
+
+def get_definition(name: str) -> FanOut:
+    try:
+        return _registry[name]
+    except KeyError:
+        known = ", ".join(sorted(_registry)) or "none"
+        raise DefinitionNotFound(
+            f"unknown fan-out {name!r}; registered definitions: {known} "
+            "(definitions live in an installed app's fanouts.py)"
+        ) from None
+
+
+def _check_callable(name: str, what: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise FanoutError(f"fan-out {name!r}: {what} must be callable, got {value!r}")
+
+
+def _check_positive_int(name: str, what: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FanoutError(
+            f"fan-out {name!r}: {what} must be an integer >= {minimum}, got {value!r}"
+        )
+
+
+def _check_positive_number(name: str, what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise FanoutError(f"fan-out {name!r}: {what} must be a number > 0, got {value!r}")
+
+
+class FanOut:
+    """A named fan-out: a work list, a handler per item, limits, a failure policy and a join.
+
+    Constructing one registers it; only registered definitions can be run.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        over: Callable[[dict[str, Any]], Iterable[Any]],
+        do: Callable[[Item], Any],
+        key: Callable[[Any], Any] | None = None,
+        payload: Callable[[Any], Any] | None = None,
+        pool: str | Callable[[Item], str] | None = None,
+        max_parallel: int = 4,
+        max_attempts: int = 3,
+        failure_policy: str = "collect",
+        join: Callable[[Iterable[Outcome]], Any] | None = None,
+        join_mode: str = "all",
+        params: Mapping[str, Any] | None = None,
+        lease_seconds: float | None = None,
+        timeout: float | None = None,
+        batch_size: int | None = None,
+        crash_budget: int | None = None,
+        retry_backoff: float | None = None,
+        queue: str | None = None,
+        requires: str | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise FanoutError(
+                f"a fan-out name must be a non-empty string of at most 200 characters, got {name!r}"
+            )
+        self.name = name
+        _check_callable(name, "over", over)
+        _check_callable(name, "do (the item handler)", do)
+        _check_callable(name, "key", key, optional=True)
+        _check_callable(name, "payload", payload, optional=True)
+        _check_callable(name, "join", join, optional=True)
+        if pool is not None and not callable(pool) and (not isinstance(pool, str) or not pool):
+            raise FanoutError(
+                f"fan-out {name!r}: pool must be a pool name or a function of the item"
+            )
+        _check_positive_int(name, "max_parallel", max_parallel)
+        _check_positive_int(name, "max_attempts", max_attempts)
+        if failure_policy not in FAILURE_POLICIES:
+            raise FanoutError(
+                f"fan-out {name!r}: failure_policy must be one of {', '.join(FAILURE_POLICIES)}, "
+                f"got {failure_policy!r}"
+            )
+        if join_mode not in JOIN_MODES:
+            raise FanoutError(
+                f"fan-out {name!r}: join_mode must be one of {', '.join(JOIN_MODES)}, "
+                f"got {join_mode!r}"
+            )
+        for what, value in (
+            ("lease_seconds", lease_seconds),
+            ("timeout", timeout),
+            ("retry_backoff", retry_backoff),
+        ):
+            if value is not None:
+                _check_positive_number(name, what, value)
+        if batch_size is not None:
+            _check_positive_int(name, "batch_size", batch_size)
+        if crash_budget is not None:
+            _check_positive_int(name, "crash_budget", crash_budget, minimum=0)
+        if params is not None and not isinstance(params, Mapping):
+            raise FanoutError(f"fan-out {name!r}: params must be a mapping of name to type")
+
+        self.over = over
+        self.do = do
+        self.key = key or str
+        self.payload = payload
+        self.pool = pool
+        self.max_parallel = max_parallel
+        self.max_attempts = max_attempts
+        self.failure_policy = failure_policy
+        self.join = join
+        self.join_mode = join_mode
+        self.params = dict(params) if params is not None else None
+        self._lease_seconds = lease_seconds
+        self.timeout = timeout
+        self._batch_size = batch_size
+        self._crash_budget = crash_budget
+        self._retry_backoff = retry_backoff
+        self._queue = queue
+        self.requires = requires
+
+        previous = _registry.get(name)
+        if previous is not None and previous.module != self.module:
+            raise FanoutError(
+                f"fan-out {name!r} is defined twice: in {previous.module} and in {self.module}"
+            )
+        _registry[name] = self
+
+    @property
+    def module(self) -> str:
+        return getattr(self.do, "__module__", "?")
+
+    # Settings-backed values are read when used, so override_settings reaches them.
+    @property
+    def lease_seconds(self) -> float:
+        from .conf import conf
+
+        return float(self._lease_seconds or conf.LEASE_SECONDS)
+
+    @property
+    def batch_size(self) -> int:
+        from .conf import conf
+
+        return int(self._batch_size or conf.BATCH_SIZE)
+
+    @property
+    def crash_budget(self) -> int:
+        from .conf import conf
+
+        return int(conf.CRASH_BUDGET if self._crash_budget is None else self._crash_budget)
+
+    @property
+    def retry_backoff(self) -> float:
+        from .conf import conf
+
+        return float(self._retry_backoff or conf.RETRY_BACKOFF)
+
+    @property
+    def queue(self) -> str:
+        from .conf import conf
+
+        if self._queue:
+            return self._queue
+        return f"{conf.QUEUE}-{self.requires}" if self.requires else conf.QUEUE
+
+    @property
+    def static_pool(self) -> str | None:
+        """The pool every item uses, or None when there is none or it is chosen per item."""
+        return self.pool if isinstance(self.pool, str) else None
+
+    def pool_for(self, item: Item) -> str:
+        if self.pool is None:
+            return ""
+        if isinstance(self.pool, str):
+            return self.pool
+        name = self.pool(item)
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise FanoutError(
+                f"fan-out {self.name!r}: pool function returned {name!r} for item {item.key!r}; "
+                "it must return a pool name of 1 to 200 characters"
+            )
+        return name
+
+    def payload_for(self, element: Any) -> Any:
+        return element if self.payload is None else self.payload(element)
+
+    def key_for(self, element: Any) -> str:
+        value = self.key(element)
+        key = value if isinstance(value, str) else str(value)
+        if not key or len(key) > 255:
+            raise FanoutError(
+                f"fan-out {self.name!r}: an item key must be 1 to 255 characters, got {key[:80]!r}"
+            )
+        return key
+
+    def clean_params(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Check and convert run params against the declared ones; return JSON-safe params."""
+        given = dict(params or {})
+        if self.params is not None:
+            unknown = sorted(set(given) - set(self.params))
+            if unknown:
+                raise FanoutError(
+                    f"fan-out {self.name!r} has no param {', '.join(map(repr, unknown))}; "
+                    f"it takes: {', '.join(self.params) or 'none'}"
+                )
+            for pname, spec in self.params.items():
+                convert, default = spec if isinstance(spec, tuple) else (spec, _MISSING)
+                if pname not in given:
+                    if default is _MISSING:
+                        raise FanoutError(f"fan-out {self.name!r} needs param {pname!r}")
+                    given[pname] = default
+                    continue
+                try:
+                    given[pname] = convert(given[pname])
+                except (TypeError, ValueError) as exc:
+                    raise FanoutError(
+                        f"fan-out {self.name!r}: param {pname!r}={given[pname]!r} "
+                        f"is not valid: {exc}"
+                    ) from None
+        try:
+            return json.loads(json.dumps(given))
+        except (TypeError, ValueError) as exc:
+            raise FanoutError(f"fan-out {self.name!r}: params must be JSON: {exc}") from None
+
+    def default_run_key(self, params: Mapping[str, Any]) -> str:
+        text = json.dumps(params, sort_keys=True, separators=(",", ":"))
+        key = f"{self.name}:{text}"
+        if len(key) <= 255:
+            return key
+        return f"{self.name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+
+    def start(
+        self,
+        params: Mapping[str, Any] | None = None,
+        run_key: str | None = None,
+        *,
+        executor: str = "inline",
+        workers: int | None = None,
+        max_parallel: int | None = None,
+        wait: bool = True,
+    ) -> BatchRun:
+        """Create (or find) the run, write its items and dispatch it; return the BatchRun.
+
+        With the inline executor and ``wait=True`` the items run in this process and the
+        run returned is finished; otherwise workers run it and the run returned is live.
+        """
+        from .dispatch import start_run
+
+        return start_run(
+            self,
+            params,
+            run_key,
+            executor=executor,
+            workers=workers,
+            max_parallel=max_parallel,
+            wait=wait,
+        )
+
+    def __repr__(self) -> str:
+        return f"<FanOut {self.name!r}>"

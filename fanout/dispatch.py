@@ -1,0 +1,144 @@
+"""Dispatch: wake a bounded number of workers for a run, in this process or on RQ."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import connection
+
+from .definition import EXECUTORS, FanOut, get_definition
+from .errors import FanoutError
+from .lease import LeaseKeeper
+from .materialize import create_run, materialize
+from .models import BatchRun, RunStatus
+from .worker import Drain, owner_name
+
+logger = logging.getLogger("fanout")
+
+MAX_INLINE_WORKERS = 64
+
+
+class InlineExecutor:
+    """N worker threads in this process, sharing one lease keeper."""
+
+    def __init__(self, run: BatchRun, definition: FanOut, workers: int | None = None) -> None:
+        count = workers or min(run.max_parallel, 16)
+        if count < 1 or count > MAX_INLINE_WORKERS:
+            raise FanoutError(f"workers must be between 1 and {MAX_INLINE_WORKERS}, got {count}")
+        self.run = run
+        self.definition = definition
+        self.keeper = LeaseKeeper(definition.lease_seconds)
+        self.stop = threading.Event()
+        self.drains = [
+            Drain(
+                run.pk,
+                definition,
+                self.keeper,
+                run.params,
+                stop=self.stop,
+                owner=owner_name(f"inline-{i + 1}"),
+            )
+            for i in range(count)
+        ]
+        self.threads = [
+            threading.Thread(target=self._thread_main, args=(d,), name=f"fanout-{run.pk}-{i + 1}")
+            for i, d in enumerate(self.drains)
+        ]
+        self.outcomes: list[str] = []
+
+    def _thread_main(self, drain: Drain) -> None:
+        try:
+            self.outcomes.append(drain())
+        except Exception:
+            logger.exception("run %s: worker thread failed", self.run.pk)
+            self.outcomes.append("crashed")
+        finally:
+            connection.close()
+
+    def start(self) -> InlineExecutor:
+        self.keeper.start()
+        for t in self.threads:
+            t.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self.threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not self.alive:
+            self.keeper.stop()
+
+    def shutdown(self) -> None:
+        """Stop claiming, let running items finish, release claimed ones not yet started."""
+        self.stop.set()
+        self.join()
+
+
+def dispatch(
+    run: BatchRun, definition: FanOut, executor: str = "inline", workers: int | None = None
+) -> InlineExecutor | None:
+    """Start workers for ``run``: threads here, or drain jobs on RQ. Idempotent."""
+    if executor not in EXECUTORS:
+        raise FanoutError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if run.status != RunStatus.RUNNING:
+        return None
+    if executor == "rq":
+        from .rq import enqueue_drains
+
+        enqueue_drains(run, definition, workers)
+        return None
+    return InlineExecutor(run, definition, workers).start()
+
+
+def prepare_run(
+    definition: FanOut,
+    params: Mapping[str, Any] | None = None,
+    run_key: str | None = None,
+    *,
+    executor: str = "inline",
+    max_parallel: int | None = None,
+) -> BatchRun:
+    """Create or find the run and make sure its items are written."""
+    if executor not in EXECUTORS:
+        raise FanoutError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    run, _ = create_run(definition, dict(params or {}), run_key, max_parallel, executor)
+    return materialize(run, definition)
+
+
+def start_run(
+    definition: FanOut,
+    params: Mapping[str, Any] | None,
+    run_key: str | None,
+    *,
+    executor: str = "inline",
+    workers: int | None = None,
+    max_parallel: int | None = None,
+    wait: bool = True,
+) -> BatchRun:
+    run = prepare_run(definition, params, run_key, executor=executor, max_parallel=max_parallel)
+    handle = dispatch(run, definition, executor, workers)
+    if handle is not None and wait:
+        handle.join()
+        run.refresh_from_db()
+    return run
+
+
+def resume(
+    run_id: int, executor: str | None = None, workers: int | None = None
+) -> tuple[BatchRun, InlineExecutor | None]:
+    """Pick a run up again after its workers or parent died: finish writing items, dispatch."""
+    try:
+        run = BatchRun.objects.get(pk=run_id)
+    except BatchRun.DoesNotExist:
+        raise FanoutError(f"there is no run {run_id}") from None
+    definition = get_definition(run.definition)
+    run = materialize(run, definition)
+    return run, dispatch(run, definition, executor or run.executor, workers)

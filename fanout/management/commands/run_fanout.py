@@ -1,0 +1,263 @@
+"""manage.py run_fanout: start, resume or retry a fan-out run and watch it finish."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from fanout.definition import EXECUTORS, get_definition, registered
+from fanout.dispatch import dispatch, prepare_run
+from fanout.errors import FanoutError
+from fanout.join import maybe_join
+from fanout.models import BatchRun, ItemStatus, RunStatus
+from fanout.recover import retry_failed
+from fanout.report import final_report, snapshot
+from fanout.watch import Progress
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def param(text: str) -> tuple[str, Any]:
+    """key=value; the value is read as JSON when it is JSON (42, true, "x", [1]), else as text."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not of the form key=value")
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    return name.strip(), value
+
+
+class Command(BaseCommand):
+    help = "Create or resume a fan-out run, dispatch its items and report every outcome."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", nargs="?", help="The definition to run (see --list).")
+        parser.add_argument(
+            "--param",
+            action="append",
+            type=param,
+            default=[],
+            metavar="KEY=VALUE",
+            help="A run param; repeat for more. Values are JSON when they parse as "
+            "JSON, text otherwise. Default: none.",
+        )
+        parser.add_argument(
+            "--run-key",
+            help="Identity of the run: starting the same key again "
+            "returns the same run. Default: the definition's name and params.",
+        )
+        parser.add_argument(
+            "--executor",
+            choices=EXECUTORS,
+            default=None,
+            help="Where items run: 'inline' threads in this process, or 'rq' "
+            "workers. Default: inline (or the run's own on --resume).",
+        )
+        parser.add_argument(
+            "--workers",
+            type=positive_int,
+            default=None,
+            help="Worker threads (inline) or drain jobs (rq). Default: max_parallel, at most 16.",
+        )
+        parser.add_argument(
+            "--max-parallel",
+            type=positive_int,
+            default=None,
+            help="In-flight cap for a new run. Default: the definition's.",
+        )
+        parser.add_argument(
+            "--no-wait",
+            action="store_true",
+            help="Return once dispatched, printing the run id (rq). Default: wait.",
+        )
+        parser.add_argument(
+            "--resume",
+            type=positive_int,
+            metavar="RUN_ID",
+            help="Attach to an existing run and dispatch what remains.",
+        )
+        parser.add_argument(
+            "--retry-failed",
+            type=positive_int,
+            metavar="RUN_ID",
+            help="Put the run's failed items back to pending and run them again.",
+        )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="Print one JSON report at the end instead of text. Default: text.",
+        )
+        parser.add_argument("--list", action="store_true", help="List the registered definitions.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["list"]:
+            return self._list()
+        try:
+            run = self._prepare(options)
+        except FanoutError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        definition = get_definition(run.definition)
+        executor = options["executor"] or run.executor
+        if executor == "inline" and options["no_wait"]:
+            raise CommandError(
+                "--no-wait needs --executor rq: inline workers live in this process", returncode=2
+            )
+        try:
+            handle = dispatch(run, definition, executor, options["workers"])
+        except FanoutError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        if options["no_wait"]:
+            self.stdout.write(
+                str(run.pk) if not options["json"] else json.dumps({"run_id": run.pk})
+            )
+            return None
+        progress = None if options["json"] else Progress(self.stdout, isatty=self.stdout.isatty())
+        interrupted = self._watch(run, handle, executor, options["workers"], progress)
+        report = final_report(run)
+        if options["json"]:
+            self.stdout.write(json.dumps(report, default=str))
+        else:
+            self._print_report(report)
+        if interrupted:
+            raise CommandError(
+                f"interrupted: run {run.pk} is {run.status}; pick it up with "
+                f"run_fanout --resume {run.pk}",
+                returncode=1,
+            )
+        if report["status"] != RunStatus.SUCCEEDED:
+            raise CommandError(f"run {run.pk} {report['status']}", returncode=1)
+        return None
+
+    def _prepare(self, options: dict[str, Any]) -> BatchRun:
+        if options["resume"] and options["retry_failed"]:
+            raise FanoutError("give --resume or --retry-failed, not both")
+        run_id = options["resume"] or options["retry_failed"]
+        if run_id:
+            try:
+                run = BatchRun.objects.get(pk=run_id)
+            except BatchRun.DoesNotExist:
+                raise FanoutError(f"there is no run {run_id}") from None
+            if options["name"] and options["name"] != run.definition:
+                raise FanoutError(
+                    f"run {run_id} is a run of {run.definition!r}, not {options['name']!r}"
+                )
+            definition = get_definition(run.definition)
+            if options["retry_failed"]:
+                count = retry_failed(run)
+                self.stderr.write(f"run {run.pk}: {count} failed items back to pending")
+            from fanout.materialize import materialize
+
+            return materialize(run, definition)
+        if not options["name"]:
+            raise FanoutError("name a definition to run (see run_fanout --list)")
+        definition = get_definition(options["name"])
+        return prepare_run(
+            definition,
+            dict(options["param"]),
+            options["run_key"],
+            executor=options["executor"] or "inline",
+            max_parallel=options["max_parallel"],
+        )
+
+    def _watch(
+        self,
+        run: BatchRun,
+        handle: Any,
+        executor: str,
+        workers: int | None,
+        progress: Progress | None,
+    ) -> bool:
+        """Show progress until the run is finished; True if interrupted by Ctrl-C."""
+        interrupted = False
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            nonlocal interrupted
+            interrupted = True
+            if handle is not None:
+                handle.stop.set()
+
+        previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+        try:
+            last_redispatch = time.monotonic()
+            while True:
+                snap = snapshot(run)
+                if progress is not None:
+                    progress.show(snap)
+                if run.is_terminal and (handle is None or not handle.alive):
+                    break
+                if interrupted and (handle is None or not handle.alive):
+                    break
+                unfinished = snap.counts[ItemStatus.PENDING] + snap.counts[ItemStatus.RUNNING]
+                if unfinished == 0 and run.status in (RunStatus.RUNNING, RunStatus.JOINING):
+                    maybe_join(run.pk)  # the last worker may have died before joining
+                elif executor == "rq" and time.monotonic() - last_redispatch > 2.0:
+                    # Redis may have lost the wake-ups: put back any that are gone (idempotent).
+                    dispatch(run, get_definition(run.definition), "rq", workers)
+                    last_redispatch = time.monotonic()
+                if handle is not None and handle.alive:
+                    handle.join(timeout=0.5)
+                else:
+                    # Workers elsewhere (RQ, or another parent) hold the last items.
+                    time.sleep(0.25)
+        finally:
+            if handle is not None:
+                handle.shutdown()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            if progress is not None:
+                progress.show(snapshot(run), final=True)
+        return interrupted
+
+    def _print_report(self, report: dict[str, Any]) -> None:
+        out = self.stdout
+        out.write(
+            f"run {report['run_id']} ({report['definition']}, key {report['run_key']}): "
+            f"{report['status'].upper()}"
+        )
+        out.write("  " + "  ".join(f"{k} {v}" for k, v in report["counts"].items() if v))
+        if report["failed"]:
+            out.write(f"failed items ({len(report['failed'])}):")
+            for f in report["failed"][:20]:
+                out.write(f"  {f['key']}: {f['error']}")
+            if len(report["failed"]) > 20:
+                out.write(f"  ... and {len(report['failed']) - 20} more (see --json or the admin)")
+        if report["error"]:
+            out.write(f"error: {report['error'].strip().splitlines()[0]}")
+        if report["join_result"] is not None:
+            out.write("join result: " + json.dumps(report["join_result"], default=str)[:2000])
+
+    def _list(self) -> None:
+        definitions = registered()
+        if not definitions:
+            self.stdout.write(
+                "no fan-outs registered (define them in an installed app's fanouts.py)"
+            )
+        for name, d in definitions.items():
+            pool = d.static_pool or ("per item" if d.pool else "-")
+            self.stdout.write(
+                f"{name}: pool {pool}, max_parallel {d.max_parallel}, "
+                f"max_attempts {d.max_attempts}, "
+                f"failure_policy {d.failure_policy}, join_mode {d.join_mode} ({d.module})"
+            )
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread() and sys.platform != "win32"

@@ -1,0 +1,216 @@
+"""Materialize: create (or find) the run and write one ItemClaim per element of its work list.
+
+The work list is paged in its own order and inserted in chunks, each chunk in one transaction
+that also advances ``materialized_upto``, so a materializer that dies is resumed where it
+stopped and nothing is inserted twice. One materializer at a time holds a lease on the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from itertools import islice
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from .conf import conf
+from .definition import FanOut, Item
+from .errors import FanoutError, MaterializeError
+from .lease import keep_alive
+from .models import BatchRun, ItemClaim, RunStatus
+from .pools import ensure_pools
+
+logger = logging.getLogger("fanout")
+
+_MATERIALIZE_LEASE_SECONDS = 60.0
+
+
+def create_run(
+    definition: FanOut,
+    params: dict[str, Any] | None,
+    run_key: str | None,
+    max_parallel: int | None = None,
+    executor: str = "inline",
+) -> tuple[BatchRun, bool]:
+    """Return the run for ``run_key`` (default: name + params), creating it if it is new."""
+    clean = definition.clean_params(params)
+    if max_parallel is not None and (
+        isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
+    ):
+        raise FanoutError(f"max_parallel must be an integer >= 1, got {max_parallel!r}")
+    if run_key is not None and (not isinstance(run_key, str) or not run_key or len(run_key) > 255):
+        raise FanoutError("a run key must be 1 to 255 characters")
+    if definition.static_pool:
+        ensure_pools([definition.static_pool])
+    key = run_key or definition.default_run_key(clean)
+    try:
+        with transaction.atomic():
+            run = BatchRun.objects.create(
+                definition=definition.name,
+                run_key=key,
+                params=clean,
+                max_parallel=max_parallel or definition.max_parallel,
+                failure_policy=definition.failure_policy,
+                join_mode=definition.join_mode,
+                executor=executor,
+            )
+        return run, True
+    except IntegrityError:
+        # Another process created it first (the unique run key decided): use theirs.
+        run = BatchRun.objects.get(run_key=key)
+        if run.definition != definition.name:
+            raise FanoutError(
+                f"run key {key!r} belongs to a run of {run.definition!r}, not {definition.name!r}"
+            ) from None
+        return run, False
+
+
+def _elements(definition: FanOut, params: dict[str, Any]) -> Iterator[Any]:
+    source = definition.over(params)
+    if isinstance(source, QuerySet):
+        # Read in chunks: a million rows must not be loaded at once.
+        return source.iterator(chunk_size=conf.MATERIALIZE_CHUNK)
+    if not isinstance(source, Iterable):
+        raise MaterializeError(
+            f"fan-out {definition.name!r}: over(params) returned "
+            f"{type(source).__name__}, not an iterable"
+        )
+    return iter(source)
+
+
+def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
+    """Write the run's items if nobody else is; wait for whoever is. Return the run, refreshed."""
+    while True:
+        run.refresh_from_db()
+        if run.status != RunStatus.PENDING:
+            return run
+        now = timezone.now()
+        token = uuid.uuid4()
+        won = (
+            BatchRun.objects.filter(pk=run.pk, status=RunStatus.PENDING)
+            .filter(Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=now))
+            .update(
+                materialize_token=token,
+                materialize_lease_expires_at=now + timedelta(seconds=_MATERIALIZE_LEASE_SECONDS),
+            )
+        )
+        if won:
+            break
+        # Another parent is writing the items: wait for it, or for its lease to run out.
+        time.sleep(0.2)
+        if not BatchRun.objects.filter(pk=run.pk).exists():
+            raise MaterializeError(
+                f"run {run.pk} was abandoned: writing its items failed in another process"
+            )
+
+    def renew() -> None:
+        BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
+            materialize_lease_expires_at=timezone.now()
+            + timedelta(seconds=_MATERIALIZE_LEASE_SECONDS)
+        )
+
+    try:
+        with keep_alive(renew, _MATERIALIZE_LEASE_SECONDS / 3):
+            total = _write_items(run, definition, token)
+    except Exception as exc:
+        # Nothing has run yet: drop the run so that a fixed definition starts clean.
+        BatchRun.objects.filter(pk=run.pk, materialize_token=token).delete()
+        if isinstance(exc, FanoutError):
+            raise
+        raise MaterializeError(
+            f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
+        status=RunStatus.RUNNING,
+        total_items=total,
+        started_at=timezone.now(),
+        materialize_token=None,
+        materialize_lease_expires_at=None,
+    )
+    run.refresh_from_db()
+    logger.info("run %s: %d items written", run.pk, total)
+    return run
+
+
+def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
+    start = run.materialized_upto
+    chunk_size = conf.MATERIALIZE_CHUNK
+    elements = enumerate(_elements(definition, run.params))
+    index = 0
+    known_pools: set[str] = set()
+    if definition.static_pool:
+        known_pools.add(definition.static_pool)
+    while True:
+        chunk = list(islice(elements, chunk_size))
+        if not chunk:
+            return index
+        index = chunk[-1][0] + 1
+        if index <= start:
+            continue  # committed by an earlier materializer of this run
+        rows = _rows(run, definition, [(i, e) for i, e in chunk if i >= start])
+        new_pools = {r.pool for r in rows if r.pool} - known_pools
+        if new_pools:
+            ensure_pools(new_pools)
+            known_pools |= new_pools
+        with transaction.atomic():
+            # Fenced on the token, and a write first (SQLite then holds the write lock throughout).
+            if not BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
+                materialized_upto=index
+            ):
+                raise MaterializeError(f"run {run.pk}: another process took over writing its items")
+            ItemClaim.objects.bulk_create(rows, ignore_conflicts=True)
+            first = rows[0].index
+            written = ItemClaim.objects.filter(run=run, index__gte=first, index__lt=index).count()
+            if written != len(rows):
+                raise MaterializeError(_duplicate_message(run, definition, rows, first))
+
+
+def _rows(run: BatchRun, definition: FanOut, chunk: list[tuple[int, Any]]) -> list[ItemClaim]:
+    rows = []
+    seen: dict[str, int] = {}
+    for index, element in chunk:
+        try:
+            key = definition.key_for(element)
+            payload = definition.payload_for(element)
+            json.dumps(payload)
+        except FanoutError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise MaterializeError(
+                f"fan-out {definition.name!r}: the payload of item {index} is not JSON ({exc}); "
+                "give the definition a payload= function that returns JSON"
+            ) from None
+        if key in seen:
+            raise MaterializeError(
+                f"fan-out {definition.name!r}: duplicate key {key!r} "
+                f"at items {seen[key]} and {index}; "
+                "keys must identify items uniquely (give the definition a key= function)"
+            )
+        seen[key] = index
+        pool = definition.pool_for(Item(key, index, payload, 1, run.pk, params=run.params))
+        rows.append(ItemClaim(run=run, key=key, index=index, payload=payload, pool=pool))
+    return rows
+
+
+def _duplicate_message(run: BatchRun, definition: FanOut, rows: list[ItemClaim], first: int) -> str:
+    keys = {r.key: r.index for r in rows}
+    clash = (
+        ItemClaim.objects.filter(run=run, key__in=list(keys))
+        .exclude(index__gte=first)
+        .values_list("key", "index")
+        .first()
+    )
+    if clash is None:  # pragma: no cover - the count said otherwise
+        return f"fan-out {definition.name!r}: duplicate keys in the work list"
+    return (
+        f"fan-out {definition.name!r}: duplicate key {clash[0]!r} "
+        f"at items {clash[1]} and {keys[clash[0]]}; "
+        "keys must identify items uniquely (give the definition a key= function)"
+    )

@@ -1,0 +1,226 @@
+"""The durable state of fan-outs: runs, one claim row per item, and capacity pools."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class RunStatus(models.TextChoices):
+    PENDING = "pending"  # created; its items are being written
+    RUNNING = "running"  # items written; workers claim and run them
+    JOINING = "joining"  # every item is terminal; the join is running
+    SUCCEEDED = "succeeded"  # joined, and the failure policy and join mode call it a success
+    FAILED = "failed"  # joined (or the join raised), and it is not a success
+    CANCELLED = "cancelled"  # stopped by an operator; pending items were cancelled
+
+
+class ItemStatus(models.TextChoices):
+    PENDING = "pending"  # waiting to be claimed (possibly not before next_attempt_at)
+    RUNNING = "running"  # claimed: owner holds claim_token until lease_expires_at
+    SUCCEEDED = "succeeded"  # the handler returned; result holds its value
+    FAILED = "failed"  # permanent error, attempts used up, or crash budget spent
+    CANCELLED = "cancelled"  # the run was cancelled or failed fast before it was claimed
+
+
+TERMINAL_ITEM_STATUSES = (ItemStatus.SUCCEEDED, ItemStatus.FAILED, ItemStatus.CANCELLED)
+TERMINAL_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
+
+
+class FailurePolicy(models.TextChoices):
+    FAIL_FAST = "fail_fast"  # the first failed item fails the run and cancels unclaimed items
+    COLLECT = "collect"  # every item runs; the run fails if the join mode is not satisfied
+    TOLERATE = "tolerate"  # every item runs; the run succeeds, failures are in the report
+
+
+class JoinMode(models.TextChoices):
+    ALL = "all"  # the run succeeds only if every item succeeded
+    ANY = "any"  # the run succeeds if at least one item succeeded
+
+
+class BatchRun(models.Model):
+    definition = models.CharField(max_length=200, db_index=True)
+    run_key = models.CharField(max_length=255, unique=True)
+    params = models.JSONField(default=dict, blank=True)
+    status = models.CharField(
+        max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING, db_index=True
+    )
+    max_parallel = models.PositiveIntegerField()
+    failure_policy = models.CharField(max_length=16, choices=FailurePolicy.choices)
+    join_mode = models.CharField(max_length=8, choices=JoinMode.choices)
+    executor = models.CharField(max_length=16, default="inline")
+    total_items = models.PositiveIntegerField(default=0)
+    # Materialization is resumable: items below this index are committed.
+    materialized_upto = models.PositiveIntegerField(default=0)
+    materialize_token = models.UUIDField(null=True, blank=True)
+    materialize_lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # The join has its own lease so a crashed joiner does not strand the run.
+    join_token = models.UUIDField(null=True, blank=True)
+    join_lease_expires_at = models.DateTimeField(null=True, blank=True)
+    join_result = models.JSONField(null=True, blank=True)
+    join_runs = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(max_parallel__gte=1), name="fanout_run_max_parallel_gte_1"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.definition} #{self.pk} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_RUN_STATUSES
+
+    @property
+    def duration(self) -> timedelta | None:
+        if self.started_at is None:
+            return None
+        return (self.finished_at or timezone.now()) - self.started_at
+
+
+class ItemClaimQuerySet(models.QuerySet["ItemClaim"]):
+    def pending_due(self, now: datetime) -> ItemClaimQuerySet:
+        return self.filter(status=ItemStatus.PENDING, next_attempt_at__lte=now)
+
+    def expired(self, now: datetime) -> ItemClaimQuerySet:
+        return self.filter(status=ItemStatus.RUNNING, lease_expires_at__lte=now)
+
+    def claimable(self, now: datetime) -> ItemClaimQuerySet:
+        return self.filter(
+            Q(status=ItemStatus.PENDING, next_attempt_at__lte=now)
+            | Q(status=ItemStatus.RUNNING, lease_expires_at__lte=now)
+        )
+
+    def in_flight(self, now: datetime) -> ItemClaimQuerySet:
+        """Items whose lease is live: what counts against max_parallel and pools."""
+        return self.filter(status=ItemStatus.RUNNING, lease_expires_at__gt=now)
+
+    def terminal(self) -> ItemClaimQuerySet:
+        return self.filter(status__in=TERMINAL_ITEM_STATUSES)
+
+    def unfinished(self) -> ItemClaimQuerySet:
+        return self.filter(status__in=(ItemStatus.PENDING, ItemStatus.RUNNING))
+
+
+class ItemClaim(models.Model):
+    run = models.ForeignKey(BatchRun, on_delete=models.CASCADE, related_name="items")
+    key = models.CharField(max_length=255)
+    index = models.PositiveIntegerField()
+    payload = models.JSONField(null=True, blank=True)
+    pool = models.CharField(max_length=200, blank=True, default="")
+    status = models.CharField(max_length=16, choices=ItemStatus.choices, default=ItemStatus.PENDING)
+    owner = models.CharField(max_length=200, blank=True, default="")
+    claim_token = models.UUIDField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    # attempt is the number the handler sees; only handler exceptions advance it.
+    attempt = models.PositiveIntegerField(default=1)
+    # Claims that ended with the owner gone (lease expired while running).
+    crashes = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    error_class = models.CharField(max_length=200, blank=True, default="")
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ItemClaimQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["run", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "key"], name="fanout_item_unique_run_key"),
+        ]
+        indexes = [
+            # Serves the claim query: pending items of a run in index order.
+            models.Index(
+                fields=["run", "index"],
+                name="fanout_item_pending_idx",
+                condition=Q(status="pending"),
+            ),
+            # Live and expired leases per run and per pool: in-flight counts and recovery.
+            models.Index(
+                fields=["run", "lease_expires_at"],
+                name="fanout_item_running_run_idx",
+                condition=Q(status="running"),
+            ),
+            models.Index(
+                fields=["pool", "lease_expires_at"],
+                name="fanout_item_running_pool_idx",
+                condition=Q(status="running"),
+            ),
+            # Counts per status and the admin's filters.
+            models.Index(fields=["run", "status"], name="fanout_item_run_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.status})"
+
+    @property
+    def duration(self) -> timedelta | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+
+class CapacityPool(models.Model):
+    """A named capacity owner (provider, account, workspace) shared by every run."""
+
+    name = models.CharField(max_length=200, unique=True)
+    max_concurrency = models.PositiveIntegerField(
+        default=10, help_text="Items of this pool in flight at once, across all runs and hosts."
+    )
+    rate_count = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Admissions per period; empty for no rate limit."
+    )
+    rate_period = models.FloatField(default=1.0, help_text="Seconds in the rate's period.")
+    burst = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Admissions allowed at once; defaults to the rate count."
+    )
+    paused = models.BooleanField(default=False)
+    # Token bucket state, written only under this row's lock.
+    tokens = models.FloatField(null=True, blank=True)
+    tokens_at = models.DateTimeField(null=True, blank=True)
+    # Set by Throttled(retry_after): nothing is admitted before this time.
+    backoff_until = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(rate_count__isnull=True) | Q(rate_count__gte=1),
+                name="fanout_pool_rate_count_gte_1",
+            ),
+            models.CheckConstraint(condition=Q(rate_period__gt=0), name="fanout_pool_period_gt_0"),
+            models.CheckConstraint(
+                condition=Q(burst__isnull=True) | Q(burst__gte=1), name="fanout_pool_burst_gte_1"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def capacity(self) -> int | None:
+        """The token bucket's size, or None without a rate limit."""
+        if self.rate_count is None:
+            return None
+        return self.burst or self.rate_count
+
+    def describe_rate(self) -> str:
+        if self.rate_count is None:
+            return "unlimited"
+        return f"{self.rate_count}/{self.rate_period:g}s (burst {self.capacity})"

@@ -1,0 +1,162 @@
+"""Capacity pools: their configuration, creation on demand, and the admission arithmetic."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from .conf import conf
+from .errors import FanoutError
+from .models import CapacityPool
+
+_PERIODS = {
+    "s": 1.0,
+    "sec": 1.0,
+    "second": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "minute": 60.0,
+    "h": 3600.0,
+    "hour": 3600.0,
+    "d": 86400.0,
+    "day": 86400.0,
+}
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """Parse "100/m", "20/s", "5/10s" into (count, period seconds)."""
+    match = _RATE.match(str(text).lower())
+    if not match or match.group(3) not in _PERIODS:
+        raise FanoutError(f"rate {text!r} is not of the form N/s, N/m, N/h or N/d (e.g. '100/m')")
+    count = int(match.group(1))
+    multiple = float(match.group(2)) if match.group(2) else 1.0
+    if count < 1 or multiple <= 0:
+        raise FanoutError(f"rate {text!r} must admit at least 1 item per period")
+    return count, multiple * _PERIODS[match.group(3)]
+
+
+def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Turn one FANOUT_POOLS entry into CapacityPool field values, or raise a clear error."""
+    unknown = sorted(set(config) - {"max_concurrency", "rate", "burst", "paused"})
+    if unknown:
+        raise FanoutError(f"FANOUT_POOLS[{name!r}] has unknown keys: {', '.join(unknown)}")
+    limits: dict[str, Any] = {"rate_count": None, "rate_period": 1.0, "burst": None}
+    concurrency = config.get("max_concurrency", 10)
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
+        raise FanoutError(f"FANOUT_POOLS[{name!r}]: max_concurrency must be an integer >= 0")
+    limits["max_concurrency"] = concurrency
+    if config.get("rate") is not None:
+        limits["rate_count"], limits["rate_period"] = parse_rate(config["rate"])
+    burst = config.get("burst")
+    if burst is not None:
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise FanoutError(f"FANOUT_POOLS[{name!r}]: burst must be an integer >= 1")
+        if limits["rate_count"] is None:
+            raise FanoutError(f"FANOUT_POOLS[{name!r}]: burst needs a rate")
+        limits["burst"] = burst
+    limits["paused"] = bool(config.get("paused", False))
+    return limits
+
+
+def configured_limits(name: str) -> dict[str, Any] | None:
+    """Limits for ``name`` from FANOUT_POOLS: its own entry, else the first matching template."""
+    pools = conf.POOLS
+    if name in pools:
+        return limits_from_config(name, pools[name])
+    for pattern, config in pools.items():
+        if any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(name, pattern):
+            return limits_from_config(pattern, config)
+    return None
+
+
+def ensure_pools(names: Iterable[str]) -> None:
+    """Create the named pools that are missing, from FANOUT_POOLS; raise for unknown ones."""
+    wanted = {n for n in names if n}
+    if not wanted:
+        return
+    existing = set(CapacityPool.objects.filter(name__in=wanted).values_list("name", flat=True))
+    missing = wanted - existing
+    rows = []
+    for name in sorted(missing):
+        limits = configured_limits(name)
+        if limits is None:
+            raise FanoutError(
+                f"pool {name!r} does not exist: add it to FANOUT_POOLS (or a template such as "
+                f"'{name.split('-')[0]}-*') or create it in the admin"
+            )
+        rows.append(CapacityPool(name=name, **limits))
+    if rows:
+        try:
+            with transaction.atomic():
+                CapacityPool.objects.bulk_create(rows, ignore_conflicts=True)
+        except IntegrityError:  # pragma: no cover - ignore_conflicts covers races
+            pass
+
+
+def sync_pools(overwrite: bool = False) -> tuple[list[str], list[str]]:
+    """Create pools named in FANOUT_POOLS; with ``overwrite`` also reset existing limits."""
+    created, updated = [], []
+    for name, config in conf.POOLS.items():
+        if any(ch in name for ch in "*?["):
+            continue
+        limits = limits_from_config(name, config)
+        pool, was_created = CapacityPool.objects.get_or_create(name=name, defaults=limits)
+        if was_created:
+            created.append(name)
+        elif overwrite:
+            changed = [f for f, v in limits.items() if getattr(pool, f) != v]
+            if changed:
+                for f in changed:
+                    setattr(pool, f, limits[f])
+                pool.save(update_fields=[*changed, "updated_at"])
+                updated.append(name)
+    return created, updated
+
+
+@dataclass
+class Headroom:
+    """How many items a pool admits now, and if none, why and until when."""
+
+    count: int
+    reason: str = ""
+    until: datetime | None = None
+
+
+def refill(pool: CapacityPool, now: datetime) -> None:
+    """Bring the token bucket up to ``now``; its clock never moves backwards."""
+    capacity = pool.capacity
+    if capacity is None or pool.rate_count is None:
+        return
+    if pool.tokens is None or pool.tokens_at is None:
+        pool.tokens, pool.tokens_at = float(capacity), now
+        return
+    elapsed = max(0.0, (now - pool.tokens_at).total_seconds())
+    pool.tokens = min(float(capacity), pool.tokens + elapsed * pool.rate_count / pool.rate_period)
+    pool.tokens_at = max(pool.tokens_at, now)
+
+
+def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
+    """Admissions the pool allows now, given its live leases; call refill() first."""
+    if pool.paused:
+        return Headroom(0, "pool paused")
+    if pool.backoff_until and pool.backoff_until > now:
+        return Headroom(0, f"throttled until {pool.backoff_until:%H:%M:%S}", pool.backoff_until)
+    free = pool.max_concurrency - in_flight
+    if free <= 0:
+        return Headroom(0, f"pool full ({in_flight}/{pool.max_concurrency})")
+    if pool.tokens is not None and pool.rate_count is not None:
+        tokens = math.floor(pool.tokens + 1e-9)
+        if tokens < 1:
+            wait = (1.0 - pool.tokens) * pool.rate_period / pool.rate_count
+            until = now + timedelta(seconds=wait)
+            return Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
+        free = min(free, tokens)
+    return Headroom(free)

@@ -1,0 +1,73 @@
+"""Run: call the handler for one claimed item and turn what happened into an outcome."""
+
+from __future__ import annotations
+
+import json
+import random
+import traceback
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from .claim import ClaimedItem
+from .conf import conf
+from .definition import FanOut, Item
+from .errors import PermanentError, Throttled
+from .record import FAILED, RETRY, SUCCEEDED, THROTTLED, ExecutionOutcome
+
+
+def backoff(definition: FanOut, attempt: int) -> float:
+    """Seconds before attempt ``attempt + 1``: exponential, capped, with full jitter above half."""
+    base = min(conf.RETRY_BACKOFF_MAX, definition.retry_backoff * (2 ** (attempt - 1)))
+    return base / 2 + random.uniform(0, base / 2)
+
+
+def _describe(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc, limit=-6))
+    return text[-4000:]
+
+
+def execute(
+    definition: FanOut, run_id: int, params: dict[str, Any], claimed: ClaimedItem
+) -> ExecutionOutcome:
+    """Run the handler once; never raise for what the handler does."""
+    item = Item(
+        key=claimed.key,
+        index=claimed.index,
+        payload=claimed.payload,
+        attempt=claimed.attempt,
+        run_id=run_id,
+        pool=claimed.pool,
+        params=params,
+    )
+    outcome = ExecutionOutcome(pk=claimed.pk, key=claimed.key, kind=SUCCEEDED, pool=claimed.pool)
+    try:
+        value = definition.do(item)
+    except Throttled as exc:
+        outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
+        outcome.error_class, outcome.error = "Throttled", str(exc)
+    except PermanentError as exc:
+        outcome.kind, outcome.error_class, outcome.error = (
+            FAILED,
+            type(exc).__name__,
+            _describe(exc),
+        )
+    except Exception as exc:
+        outcome.error_class, outcome.error = type(exc).__name__, _describe(exc)
+        if claimed.attempt < definition.max_attempts:
+            outcome.kind = RETRY
+            outcome.next_attempt_at = timezone.now() + timedelta(
+                seconds=backoff(definition, claimed.attempt)
+            )
+        else:
+            outcome.kind = FAILED
+    else:
+        try:
+            # Round-trip now so what is stored is exactly what the join will read back.
+            outcome.result = json.loads(json.dumps(value))
+        except (TypeError, ValueError) as exc:
+            outcome.kind, outcome.error_class = FAILED, "ResultNotJSON"
+            outcome.error = f"the handler returned a value that is not JSON-serializable: {exc}"
+    outcome.finished_at = timezone.now()
+    return outcome

@@ -1,0 +1,156 @@
+"""The drain loop every executor runs: claim, run outside the transaction, record, repeat."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.utils import timezone
+
+from .claim import ClaimResult, claim
+from .conf import conf
+from .definition import FanOut
+from .join import maybe_join
+from .lease import LeaseKeeper
+from .models import ItemClaim
+from .record import RELEASED, ExecutionOutcome, Recorded, record
+from .run import execute
+
+logger = logging.getLogger("fanout")
+T = TypeVar("T")
+
+# One condition per process: a worker that frees capacity wakes the idle ones at once.
+_wake = threading.Condition()
+
+
+def wake_all() -> None:
+    with _wake:
+        _wake.notify_all()
+
+
+def owner_name(suffix: str = "") -> str:
+    name = f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+    return f"{name}:{suffix}" if suffix else name
+
+
+@dataclass
+class Drain:
+    """One worker's drain of one run; ``stop`` asks it to finish its items and return."""
+
+    run_id: int
+    definition: FanOut
+    keeper: LeaseKeeper
+    params: dict[str, Any]
+    owner: str = field(default_factory=owner_name)
+    stop: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None  # time.monotonic() after which it claims no more
+    executed: int = 0
+
+    def __call__(self) -> str:
+        """Drain until the run is finished, stopped or the deadline passes; say which."""
+        try:
+            return self._loop()
+        finally:
+            connection.close()
+
+    def _loop(self) -> str:
+        definition = self.definition
+        while True:
+            if self.stop.is_set():
+                return "stopped"
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                return "time budget spent"
+            result = self._db(
+                lambda: claim(
+                    self.run_id,
+                    self.owner,
+                    definition.batch_size,
+                    definition.lease_seconds,
+                    definition.crash_budget,
+                    definition.static_pool,
+                )
+            )
+            if result is None:
+                continue
+            if result.items:
+                recorded = self._run_batch(result)
+                if recorded.terminal or recorded.dropped:
+                    wake_all()
+                    self._db(lambda: maybe_join(self.run_id, definition))
+                continue
+            if result.crashed_out:
+                self._db(lambda: maybe_join(self.run_id, definition))
+            if not result.run_open:
+                return f"run {result.run_status}"
+            unfinished = self._db(
+                lambda: ItemClaim.objects.filter(run_id=self.run_id).unfinished().exists()
+            )
+            if unfinished is False:
+                self._db(lambda: maybe_join(self.run_id, definition))
+                return "run finished"
+            self._idle(result)
+
+    def _run_batch(self, result: ClaimResult) -> Recorded:
+        assert result.token is not None
+        self.keeper.hold(result.token, self.definition.timeout)
+        outcomes: list[ExecutionOutcome] = []
+        try:
+            for item in result.items:
+                if self.stop.is_set():
+                    # A release gives the item back at once and costs no attempt.
+                    outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
+                    continue
+                outcomes.append(execute(self.definition, self.run_id, self.params, item))
+                self.executed += 1
+            # Handlers may have used the ORM in this thread; a broken connection must not stop us.
+            close_old_connections()
+            recorded = self._db(
+                lambda: record(self.run_id, result.token, outcomes, result.failure_policy),  # type: ignore[arg-type]
+                give_up_after=self.definition.lease_seconds * 2,
+            )
+        finally:
+            self.keeper.drop(result.token)
+        if recorded is None:
+            logger.error(
+                "run %s: could not record %d outcomes; their leases will expire",
+                self.run_id,
+                len(outcomes),
+            )
+            return Recorded(0, len(outcomes), 0, 0)
+        if recorded.dropped:
+            logger.warning(
+                "run %s: %d outcomes dropped: this worker had lost their claims",
+                self.run_id,
+                recorded.dropped,
+            )
+        return recorded
+
+    def _idle(self, result: ClaimResult) -> None:
+        timeout = conf.IDLE_MAX_SECONDS
+        if result.retry_at is not None:
+            timeout = min(timeout, max(0.0, (result.retry_at - timezone.now()).total_seconds()))
+        with _wake:
+            _wake.wait(max(timeout, 0.005))
+
+    def _db(self, op: Callable[[], T], give_up_after: float | None = None) -> T | None:
+        """Run ``op``; ride out a database that is restarting instead of losing the worker."""
+        started = time.monotonic()
+        pause = 0.1
+        while True:
+            try:
+                return op()
+            except (OperationalError, InterfaceError) as exc:
+                logger.warning("run %s: database unavailable (%s); retrying", self.run_id, exc)
+                connection.close()
+                if give_up_after is not None and time.monotonic() - started > give_up_after:
+                    return None
+                if self.stop.wait(pause):
+                    return None
+                pause = min(pause * 2, 2.0)

@@ -1,0 +1,7 @@
+"""Settings for the test suite: the example project's, on PostgreSQL unless DATABASE_URL says."""
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgres://root@127.0.0.1:5432/test")
+
+from project.settings import *  # noqa: E402, F403
