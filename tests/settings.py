@@ -5,3 +5,5 @@ import os
 os.environ.setdefault("DATABASE_URL", "postgres://root@127.0.0.1:5432/test")
 
 from project.settings import *  # noqa: E402, F403
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405

@@ -1,0 +1,1 @@
+"""Definitions the tests run, in this process or in worker processes (autodiscovered)."""

@@ -1,0 +1,15 @@
+"""Test-only tables: a ledger of handler executions, so duplicates are counted, not guessed."""
+
+from django.db import models
+
+
+class Execution(models.Model):
+    """One row per handler call, written when the handler starts and when it ends."""
+
+    run_id = models.BigIntegerField(db_index=True)
+    key = models.CharField(max_length=255)
+    attempt = models.PositiveIntegerField()
+    pool = models.CharField(max_length=200, blank=True, default="")
+    worker = models.CharField(max_length=200)
+    started = models.FloatField()  # time.time() at handler start
+    ended = models.FloatField(null=True)  # time.time() at handler end; null if it never ended
