@@ -69,6 +69,11 @@ class BatchRun(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-pk"]
+        permissions = [
+            ("retry_run", "Can retry the failed items of a run"),
+            ("cancel_run", "Can cancel a run"),
+            ("dispatch_run", "Can re-dispatch a run's workers"),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(max_parallel__gte=1), name="fanout_run_max_parallel_gte_1"
@@ -139,6 +144,11 @@ class ItemClaim(models.Model):
 
     class Meta:
         ordering = ["run", "index"]
+        permissions = [
+            ("retry_item", "Can retry failed items"),
+            ("cancel_item", "Can cancel pending items"),
+            ("force_release_item", "Can take an item's lease away from its holder"),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["run", "key"], name="fanout_item_unique_run_key"),
         ]
@@ -199,6 +209,7 @@ class CapacityPool(models.Model):
 
     class Meta:
         ordering = ["name"]
+        permissions = [("pause_pool", "Can pause and resume a pool")]
         constraints = [
             models.CheckConstraint(
                 condition=Q(rate_count__isnull=True) | Q(rate_count__gte=1),
