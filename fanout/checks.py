@@ -40,12 +40,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
 
 @register("fanout")
 def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """The RQ executor needs its queue configured; an unreachable Redis is only a warning."""
     from django.conf import settings
 
     queues = getattr(settings, "RQ_QUEUES", None)
     if queues is None:
         return []  # the inline executor needs no RQ
-    if conf.QUEUE not in queues:
+    if not isinstance(queues, dict) or conf.QUEUE not in queues:
         return [
             Warning(
                 f"RQ_QUEUES has no {conf.QUEUE!r} queue: run_fanout --executor rq cannot dispatch",
@@ -53,4 +54,21 @@ def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 id="fanout.W001",
             )
         ]
+    try:
+        import django_rq
+        from redis.exceptions import RedisError
+
+        connection = django_rq.get_connection(conf.QUEUE)
+        connection.connection_pool.connection_kwargs.setdefault("socket_connect_timeout", 0.5)
+        connection.ping()
+    except RedisError as exc:
+        return [
+            Warning(
+                f"Redis for queue {conf.QUEUE!r} is not reachable now ({exc})",
+                hint="the inline executor works without it; --executor rq needs it",
+                id="fanout.W002",
+            )
+        ]
+    except Exception as exc:  # a malformed queue config must not crash every command
+        return [Warning(f"RQ queue {conf.QUEUE!r} is misconfigured: {exc}", id="fanout.W003")]
     return []

@@ -113,9 +113,18 @@ DATABASES = {"default": parse_database_url(DATABASE_URL)}
 REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
 
 RQ_QUEUES = {
-    "fanout": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 3600},
+    # fanout's drain jobs carry only ids, as JSON.
+    "fanout": {
+        "URL": REDIS_URL,
+        "DEFAULT_TIMEOUT": 3600,
+        "SERIALIZER": "rq.serializers.JSONSerializer",
+    },
     "default": {"URL": REDIS_URL},
 }
+
+
+# `manage.py rqworker fanout` runs drain jobs in-process, with a graceful SIGTERM.
+RQ = {"WORKER_CLASS": "fanout.rq.FanoutWorker"}
 
 
 # ---------------------------------------------------------------- django apps

@@ -1,0 +1,249 @@
+"""The RQ executor: drain jobs that carry only a run id, in a bounded number of slots per run.
+
+PostgreSQL stays the source of truth; RQ only carries wake-ups. Each run has ``slots`` drain
+slots; a slot is taken with an atomic ``SET NX`` on a Redis key that a live drain job keeps
+fresh, so two parents dispatching at once enqueue one job per slot, and a slot whose job was
+lost (Redis flushed, worker killed) frees itself when the key expires and is filled again by
+the next dispatch. A duplicated wake-up is harmless: every item is still claimed in the
+database, under max_parallel and the pools' limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+from django.db import close_old_connections, connection, transaction
+from redis.exceptions import RedisError
+from rq import SimpleWorker, get_current_job
+from rq.serializers import JSONSerializer
+
+from .conf import conf
+from .definition import FanOut, get_definition
+from .errors import DefinitionNotFound, FanoutError
+from .lease import LeaseKeeper
+from .models import BatchRun, RunStatus
+from .recover import release
+from .worker import Drain, owner_name
+
+logger = logging.getLogger("fanout")
+
+MAX_SLOTS = 64
+ALIVE_TTL = 10  # seconds a running drain job's slot key lives without renewal
+QUEUED_TTL = 600  # seconds a slot stays taken by a job that waits in the queue
+
+# Set when the RQ worker running us was asked to stop (see FanoutWorker.request_stop).
+_stop_requested = threading.Event()
+
+
+def slot_key(run_id: int, slot: int) -> str:
+    return f"fanout:drain:{run_id}:{slot}"
+
+
+def default_slots(run: BatchRun, definition: FanOut) -> int:
+    per_job = max(1, definition.batch_size)
+    return max(1, min(MAX_SLOTS, -(-run.max_parallel // per_job), 16))
+
+
+def get_queue(definition: FanOut) -> Any:
+    import django_rq
+
+    try:
+        return django_rq.get_queue(definition.queue, serializer=JSONSerializer)
+    except KeyError:
+        raise FanoutError(
+            f"RQ_QUEUES has no queue {definition.queue!r} for fan-out {definition.name!r}: "
+            f'add "{definition.queue}": {{"URL": REDIS_URL}} to RQ_QUEUES'
+        ) from None
+
+
+def enqueue_drains(run: BatchRun, definition: FanOut, slots: int | None = None) -> int:
+    """Fill the run's empty drain slots with jobs, after the current transaction commits."""
+    if slots is not None and not 1 <= slots <= MAX_SLOTS:
+        raise FanoutError(f"workers must be between 1 and {MAX_SLOTS}, got {slots}")
+    queue = get_queue(definition)
+    count = slots or default_slots(run, definition)
+    enqueued = 0
+    try:
+        for slot in range(count):
+            enqueued += _enqueue_slot(queue, run.pk, slot)
+    except RedisError as exc:
+        raise FanoutError(
+            f"Redis is not reachable for queue {definition.queue!r} ({exc}); "
+            f"run {run.pk} is saved: "
+            f"start Redis and resume it with run_fanout --resume {run.pk}, or use --executor inline"
+        ) from None
+    return enqueued
+
+
+def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
+    job_id = f"fanout-drain-{run_id}-{slot}-{uuid.uuid4().hex[:12]}"
+    if not queue.connection.set(slot_key(run_id, slot), job_id, nx=True, ex=QUEUED_TTL):
+        return 0  # a job holds this slot, queued or running
+
+    def enqueue() -> None:
+        queue.enqueue_call(
+            "fanout.rq.drain_job",
+            args=(run_id, slot),
+            job_id=job_id,
+            timeout=int(conf.DRAIN_SECONDS + conf.STOP_GRACE_SECONDS + 120),
+            result_ttl=300,
+            failure_ttl=86400,
+            description=f"fanout: drain run {run_id} (slot {slot})",
+        )
+
+    # Enqueue only once the rows it will look for are committed.
+    transaction.on_commit(enqueue)
+    return 1
+
+
+def _worker_stopping(job: Any, checked: list[float]) -> bool:
+    """True once our RQ worker was asked to stop (a forked work horse reads it from Redis)."""
+    if _stop_requested.is_set():
+        return True
+    now = time.monotonic()
+    if job is None or not job.worker_name or now - checked[0] < 1.0:
+        return False
+    checked[0] = now
+    try:
+        return bool(
+            job.connection.hexists(f"rq:worker:{job.worker_name}", "shutdown_requested_date")
+        )
+    except RedisError:
+        return False
+
+
+def drain_job(run_id: int, slot: int) -> str:
+    """RQ job: drain one run until it is finished, a time budget is spent or the worker stops."""
+    job = get_current_job()
+    key = slot_key(run_id, slot)
+    close_old_connections()
+    try:
+        return _drain(job, key, run_id, slot)
+    finally:
+        connection.close()
+        if job is not None:
+            try:
+                # Free the slot unless a newer job already holds it.
+                if job.connection.get(key) in (job.id, job.id.encode()):
+                    job.connection.delete(key)
+            except RedisError:
+                pass
+
+
+def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
+    run = BatchRun.objects.filter(pk=run_id).first()
+    if run is None or run.status != RunStatus.RUNNING:
+        return f"run {run_id} is {run.status if run else 'gone'}: nothing to do"
+    try:
+        definition = get_definition(run.definition)  # only registered definitions ever run
+    except DefinitionNotFound as exc:
+        logger.error("run %s: %s", run_id, exc)
+        return str(exc)
+    keeper = LeaseKeeper(definition.lease_seconds)
+    drain = Drain(
+        run.pk,
+        definition,
+        keeper,
+        run.params,
+        owner=owner_name(f"rq-{slot}"),
+        deadline=time.monotonic() + conf.DRAIN_SECONDS,
+    )
+    outcome: list[str] = []
+
+    def target() -> None:
+        try:
+            outcome.append(drain())
+        except Exception:
+            logger.exception("run %s: drain failed", run_id)
+            outcome.append("crashed")
+
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        # A forked work horse: a SIGTERM meant for the worker's group stops us gracefully.
+        signal.signal(signal.SIGTERM, lambda signum, frame: _stop_requested.set())
+    thread = threading.Thread(target=target, name=f"fanout-drain-{run_id}-{slot}", daemon=True)
+    checked = [0.0]
+    stopping_since: float | None = None
+    keeper.start()
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            _heartbeat(job, key)
+            if stopping_since is None and _worker_stopping(job, checked):
+                drain.stop.set()  # claim nothing more; items not started are released
+                stopping_since = time.monotonic()
+            if (
+                stopping_since is not None
+                and time.monotonic() - stopping_since > conf.STOP_GRACE_SECONDS
+            ):
+                released = release(keeper.held())
+                logger.warning(
+                    "run %s: worker stopping; released %d unfinished items", run_id, released
+                )
+                return "stopped: items released"
+    except BaseException:
+        # The job was killed (timeout, cold shutdown): give back what we hold before leaving.
+        drain.stop.set()
+        release(keeper.held())
+        raise
+    finally:
+        keeper.stop()
+    result = outcome[0] if outcome else "crashed"
+    if result == "time budget spent" and not drain.stop.is_set():
+        # Yield the RQ worker to other queued runs, and come back behind them.
+        try:
+            job.connection.delete(key)
+            _enqueue_slot(get_queue(definition), run_id, slot)
+        except (RedisError, FanoutError) as exc:
+            logger.warning("run %s: could not re-enqueue slot %s: %s", run_id, slot, exc)
+    return result
+
+
+_last_beat: dict[str, float] = {}
+
+
+def _heartbeat(job: Any, key: str) -> None:
+    """Keep this job's slot key alive; a crashed job's slot frees itself within ALIVE_TTL."""
+    now = time.monotonic()
+    if job is None or now - _last_beat.get(key, 0.0) < ALIVE_TTL / 4:
+        return
+    _last_beat[key] = now
+    try:
+        conn = job.connection
+        if not conn.set(key, job.id, nx=True, ex=ALIVE_TTL):
+            if conn.get(key) in (job.id, job.id.encode()):
+                conn.expire(key, ALIVE_TTL)
+    except RedisError:
+        pass  # Redis is down: the rows still are the queue
+
+
+class FanoutWorker(SimpleWorker):
+    """RQ worker for fan-out drain jobs: no fork per job, JSON jobs, graceful SIGTERM.
+
+    A drain job runs many items, so forking per job buys no isolation worth its cost, and in
+    the worker's own process a SIGTERM reaches the drain at once: it stops claiming, lets its
+    items finish within FANOUT_STOP_GRACE_SECONDS or releases them, and the worker exits.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["serializer"] = JSONSerializer
+        super().__init__(*args, **kwargs)
+
+    def request_stop(self, signum: Any, frame: Any) -> None:
+        _stop_requested.set()
+        super().request_stop(signum, frame)
+
+    def execute_job(self, job: Any, queue: Any) -> Any:
+        close_old_connections()
+        try:
+            return super().execute_job(job, queue)
+        finally:
+            close_old_connections()
