@@ -70,15 +70,19 @@ def _lock_pools(names: list[str], skip_locked: bool = False) -> dict[str, Capaci
     return {p.name: p for p in rows.select_for_update(skip_locked=skip_locked)}
 
 
-def _pool_in_flight(names: list[str], now: datetime) -> Counter[str]:
+def _pool_in_flight(names: list[str], now: datetime) -> dict[str, Counter[int]]:
+    """Live leases per pool, per run: the pools' concurrency and each run's fair share."""
     rows = (
         ItemClaim.objects.in_flight(now)
         .filter(pool__in=names)
-        .values("pool")
+        .values("pool", "run_id")
         .annotate(n=Count("pk"))
-        .values_list("pool", "n")
+        .values_list("pool", "run_id", "n")
     )
-    return Counter(dict(rows))
+    by_pool: dict[str, Counter[int]] = {name: Counter() for name in names}
+    for pool, run, n in rows:
+        by_pool[pool][run] = n
+    return by_pool
 
 
 def _candidates(run_id: int, now: datetime, limit: int, exclude_pools: set[str]) -> list[dict]:
@@ -143,7 +147,7 @@ def claim(
                 else:
                     refill(pool, now)
                     pools[name] = pool
-                    rooms[name] = headroom(pool, counts[name], now)
+                    rooms[name] = fair_share(pool, counts[name], run_id, now)
                 if rooms[name].count <= 0:
                     blocked.add(name)
 
@@ -219,16 +223,18 @@ def claim(
                 )
             if fresh:
                 ItemClaim.objects.filter(pk__in=fresh).update(**values)
-            for name in {c["pool"] for c in admitted if c["pool"]}:
-                pool = pools[name]
-                if pool.tokens is not None:
-                    CapacityPool.objects.filter(pk=pool.pk).update(
-                        tokens=pool.tokens, tokens_at=pool.tokens_at
-                    )
-            result.items = [
-                ClaimedItem(c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"])
-                for c in admitted
-            ]
+        for name, pool in pools.items():
+            changed = {}
+            if pool.tokens is not None and any(c["pool"] == name for c in admitted):
+                changed.update(tokens=pool.tokens, tokens_at=pool.tokens_at)
+            if pool.waiters != pool._waiters_loaded:  # type: ignore[attr-defined]
+                changed["waiters"] = pool.waiters
+            if changed:
+                CapacityPool.objects.filter(pk=pool.pk).update(**changed)
+        result.items = [
+            ClaimedItem(c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"])
+            for c in admitted
+        ]
 
         if len(admitted) < limit or not admitted:
             reasons = [rooms[n] for n in sorted(blocked)]
@@ -240,6 +246,35 @@ def claim(
                 result.reason = "nothing claimable"
                 result.retry_at = _next_due(run_id, now)
         return result
+
+
+WAITER_SECONDS = 2.0  # how long a refused run counts as waiting for a pool
+
+
+def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datetime) -> Headroom:
+    """The pool's headroom for this run: no run takes more than its share while others wait.
+
+    A run refused by a full pool registers as a waiter on the pool row (under its lock); while
+    any other run waits, a run may only grow up to ceil(max_concurrency / contending runs),
+    so the slots its finished items free go to the waiting runs instead.
+    """
+    stamp = now.timestamp()
+    pool._waiters_loaded = dict(pool.waiters or {})  # type: ignore[attr-defined]
+    waiters = {int(r) for r, until in (pool.waiters or {}).items() if until > stamp}
+    room = headroom(pool, sum(by_run.values()), now)
+    contenders = set(by_run) | waiters | {run_id}
+    share = -(-pool.max_concurrency // len(contenders))
+    mine = by_run.get(run_id, 0)
+    if room.count <= 0:
+        if not pool.paused and mine < share and pool.max_concurrency > 0:
+            pool.waiters = {str(r): u for r, u in (pool.waiters or {}).items() if u > stamp}
+            pool.waiters[str(run_id)] = stamp + WAITER_SECONDS
+        return room
+    if waiters - {run_id} and mine + room.count > share:
+        allowed = max(0, share - mine)
+        if allowed < room.count:
+            return Headroom(allowed, f"fair share ({mine}/{share}) while other runs wait")
+    return room
 
 
 def _next_due(run_id: int, now: datetime) -> datetime | None:

@@ -202,6 +202,8 @@ class CapacityPool(models.Model):
     # Token bucket state, written only under this row's lock.
     tokens = models.FloatField(null=True, blank=True)
     tokens_at = models.DateTimeField(null=True, blank=True)
+    # Runs refused by this full pool, {run id: until (epoch seconds)}: they get a fair share.
+    waiters = models.JSONField(default=dict, blank=True)
     # Set by Throttled(retry_after): nothing is admitted before this time.
     backoff_until = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)

@@ -13,3 +13,20 @@ class Execution(models.Model):
     worker = models.CharField(max_length=200)
     started = models.FloatField()  # time.time() at handler start
     ended = models.FloatField(null=True)  # time.time() at handler end; null if it never ended
+
+
+class Widget(models.Model):
+    """Rows of a work list given as a queryset."""
+
+    batch = models.CharField(max_length=50, db_index=True)
+    name = models.CharField(max_length=100)
+    rank = models.IntegerField()
+
+
+class Observation(models.Model):
+    """Something a handler or a join saw while it ran (e.g. whether it was inside a transaction)."""
+
+    run_id = models.BigIntegerField(null=True, db_index=True)
+    key = models.CharField(max_length=255, blank=True, default="")
+    name = models.CharField(max_length=100)
+    value = models.JSONField(null=True)
