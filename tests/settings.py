@@ -7,3 +7,9 @@ os.environ.setdefault("DATABASE_URL", "postgres://root@127.0.0.1:5432/test")
 from project.settings import *  # noqa: E402, F403
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
+
+# Each test session gets its own database, so that sessions running side by side (and the
+# worker processes they start, which are given its name explicitly) never drop each other's.
+DATABASES["default"]["TEST"] = {  # noqa: F405
+    "NAME": os.environ.get("FANOUT_TEST_DATABASE_NAME") or f"test_fanout_{os.getpid()}"
+}
