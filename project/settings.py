@@ -119,6 +119,12 @@ RQ_QUEUES = {
         "DEFAULT_TIMEOUT": 3600,
         "SERIALIZER": "rq.serializers.JSONSerializer",
     },
+    # Definitions with requires="gpu" go here; only `rqworker fanout-gpu` workers run them.
+    "fanout-gpu": {
+        "URL": REDIS_URL,
+        "DEFAULT_TIMEOUT": 3600,
+        "SERIALIZER": "rq.serializers.JSONSerializer",
+    },
     "default": {"URL": REDIS_URL},
 }
 

@@ -1,1 +1,185 @@
-"""Definitions the tests run, in this process or in worker processes (autodiscovered)."""
+"""Definitions the tests run, in this process or in worker processes (autodiscovered).
+
+Most of them share one handler, ``work``, steered by the run's params so that one definition
+serves many scenarios; every call is written to the Execution ledger when it starts and ends.
+
+Params understood by ``work`` (all optional):
+  n               items in the work list (keys k00000, k00001, ...), default 10
+  sleep           seconds every handler call sleeps
+  permanent       keys that raise PermanentError
+  permanent_once  keys that raise PermanentError on their first execution only
+  flaky           {key: k}: the key raises RuntimeError on attempts 1..k
+  nonjson         keys whose handler returns a value that is not JSON
+  block_first     a key whose first execution blocks until ``block_file`` exists (60 s at most)
+  await_failed    {key: other}: the key waits until item ``other`` is failed (30 s at most)
+  probe           record in an Observation whether the handler runs inside a transaction
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from django.db import connection
+
+from fanout import FanOut, Item, Outcome, PermanentError
+from fanout.models import ItemClaim, ItemStatus
+
+from .models import Execution, Observation, Widget
+
+
+def numbered(params: dict[str, Any]) -> range:
+    return range(int(params.get("n", 10)))
+
+
+def item_key(i: int) -> str:
+    return f"k{i:05d}"
+
+
+def item_payload(i: int) -> dict[str, int]:
+    return {"i": i}
+
+
+def _wait(condition: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def work(item: Item) -> Any:
+    p = item.params
+    in_atomic = connection.in_atomic_block
+    first = not Execution.objects.filter(run_id=item.run_id, key=item.key).exists()
+    row = Execution.objects.create(
+        run_id=item.run_id,
+        key=item.key,
+        attempt=item.attempt,
+        pool=item.pool,
+        worker=f"{os.getpid()}:{threading.current_thread().name}",
+        started=time.time(),
+    )
+    if p.get("probe"):
+        Observation.objects.create(
+            run_id=item.run_id, key=item.key, name="in_atomic_block", value=in_atomic
+        )
+    try:
+        if p.get("sleep"):
+            time.sleep(float(p["sleep"]))
+        if item.key == p.get("block_first") and first:
+            block_file = Path(p["block_file"])
+            _wait(block_file.exists, 60, f"{block_file} to appear")
+        other = p.get("await_failed", {}).get(item.key)
+        if other:
+            _wait(
+                ItemClaim.objects.filter(
+                    run_id=item.run_id, key=other, status=ItemStatus.FAILED
+                ).exists,
+                30,
+                f"item {other} to fail",
+            )
+        if item.key in p.get("permanent", ()):
+            raise PermanentError(f"{item.key} is broken for good")
+        if item.key in p.get("permanent_once", ()) and first:
+            raise PermanentError(f"{item.key} is broken this time")
+        if item.attempt <= p.get("flaky", {}).get(item.key, 0):
+            raise RuntimeError(f"{item.key} flaked on attempt {item.attempt}")
+        if item.key in p.get("nonjson", ()):
+            return {item.key, "a set is not JSON"}
+        i = item.payload["i"]
+        return {"i": i, "square": i * i}
+    finally:
+        Execution.objects.filter(pk=row.pk).update(ended=time.time())
+
+
+def summarize(outcomes: Iterable[Outcome]) -> dict[str, Any]:
+    seen = list(outcomes)
+    Observation.objects.create(
+        name="join",
+        value={"count": len(seen), "statuses": sorted({o.status for o in seen})},
+    )
+    succeeded = [o for o in seen if o.succeeded]
+    return {
+        "count": len(seen),
+        "succeeded": len(succeeded),
+        "sum": sum(o.result["i"] for o in succeeded),
+    }
+
+
+def broken_join(outcomes: Iterable[Outcome]) -> Any:
+    list(outcomes)
+    raise ValueError("the join broke on purpose")
+
+
+common: dict[str, Any] = dict(
+    over=numbered, key=item_key, payload=item_payload, do=work, retry_backoff=0.02
+)
+
+FanOut("t_ledger", max_parallel=8, join=summarize, **common)
+FanOut("t_collect", failure_policy="collect", join=summarize, **common)
+FanOut("t_fail_fast", failure_policy="fail_fast", join=summarize, max_parallel=2, **common)
+FanOut("t_tolerate", failure_policy="tolerate", join=summarize, **common)
+FanOut("t_any", failure_policy="collect", join_mode="any", join=summarize, **common)
+FanOut("t_batched", batch_size=5, max_parallel=2, join=summarize, **common)
+FanOut("t_join_raises", join=broken_join, **common)
+FanOut("t_no_join", **common)
+# Short leases, for renewal and crash recovery; a crash must not use up the single attempt.
+FanOut("t_lease", lease_seconds=1, max_parallel=2, join=summarize, **common)
+FanOut("t_crash", lease_seconds=2, max_attempts=1, max_parallel=10, join=summarize, **common)
+FanOut("t_budget", lease_seconds=5, crash_budget=2, **common)
+FanOut("t_fail_fast_budget", failure_policy="fail_fast", crash_budget=0, **common)
+FanOut("t_strict", params={"n": int, "label": (str, "none")}, join=summarize, **common)
+
+
+# Work lists that are not ranges: a queryset, a plain list, a generator.
+
+last_querysets: list[Any] = []
+
+
+def widgets(params: dict[str, Any]) -> Any:
+    qs = Widget.objects.filter(batch=params["batch"]).order_by("-rank", "pk")
+    last_querysets.append(qs)
+    return qs
+
+
+FanOut(
+    "t_widgets",
+    over=widgets,
+    key=lambda w: f"widget-{w.pk}",
+    payload=lambda w: {"name": w.name, "rank": w.rank},
+    do=lambda item: item.payload["rank"],
+)
+
+FanOut(
+    "t_list",
+    over=lambda params: list(params["items"]),
+    payload=lambda e: {"v": e},
+    do=lambda item: item.payload["v"],
+)
+
+
+def generated(params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """n elements made on the fly; ``keys`` overrides some keys, ``fail_at`` breaks the source."""
+    keys = params.get("keys", {})
+    for i in range(int(params["n"])):
+        if i == params.get("fail_at"):
+            raise RuntimeError(f"the source broke at element {i}")
+        payload: Any = {"i": i}
+        if i in params.get("bad_payload", ()):
+            payload = {"i": i, "when": datetime.datetime(2026, 1, 1)}
+        yield {"key": keys.get(str(i), f"g{i:06d}"), "payload": payload}
+
+
+FanOut(
+    "t_generated",
+    over=generated,
+    key=lambda e: e["key"],
+    payload=lambda e: e["payload"],
+    do=lambda item: item.payload["i"],
+)
