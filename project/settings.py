@@ -210,7 +210,7 @@ LOGGING = {
     "loggers": {
         "fanout": {
             "handlers": ["console"],
-            "level": os.environ.get("FANOUT_LOG_LEVEL", "INFO").upper(),
+            "level": os.environ.get("FANOUT_LOG_LEVEL", "WARNING").upper(),
             "propagate": False,
         },
     },

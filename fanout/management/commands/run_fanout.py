@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -16,7 +17,7 @@ from fanout.dispatch import dispatch, prepare_run
 from fanout.errors import FanoutError
 from fanout.join import maybe_join
 from fanout.models import BatchRun, ItemStatus, RunStatus
-from fanout.recover import retry_failed
+from fanout.recover import release, retry_failed
 from fanout.report import final_report, snapshot
 from fanout.watch import Progress
 
@@ -188,7 +189,15 @@ class Command(BaseCommand):
 
         def on_sigint(signum: int, frame: Any) -> None:
             nonlocal interrupted
+            if interrupted and handle is not None:
+                # Second Ctrl-C: give the items back now instead of waiting for them.
+                released = release(handle.keeper.held())
+                self.stderr.write(
+                    f"\nreleased {released} running items; resume with run_fanout --resume {run.pk}"
+                )
+                os._exit(130)
             interrupted = True
+            self.stderr.write("\nstopping: running items finish (Ctrl-C again to release them)")
             if handle is not None:
                 handle.stop.set()
 
