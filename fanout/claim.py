@@ -9,8 +9,10 @@ because every claimer of the same run and pool waits on it.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,7 +21,7 @@ from django.db import connection, transaction
 from django.db.models import Count, F
 from django.utils import timezone
 
-from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from .models import BatchRun, CapacityPool, ItemClaim, ItemClaimQuerySet, ItemStatus, RunStatus
 from .pools import Headroom, headroom, refill
 
 # Candidates looked at per admitted slot when items choose their pool: enough to see past
@@ -49,6 +51,8 @@ class ClaimResult:
     retry_at: datetime | None = None
     # Items failed because their owners kept dying (crash budget spent).
     crashed_out: int = 0
+    # What the ``before`` step returned.
+    before: Any = None
 
     @property
     def run_open(self) -> bool:
@@ -85,22 +89,38 @@ def _pool_in_flight(names: list[str], now: datetime) -> dict[str, Counter[int]]:
     return by_pool
 
 
+# When this process last looked for a run's expired leases (time.monotonic()).
+_expired_checked: dict[int, float] = {}
+EXPIRED_CHECK_SECONDS = 0.5
+
+
 def _candidates(run_id: int, now: datetime, limit: int, exclude_pools: set[str]) -> list[dict]:
     fields = ("pk", "key", "index", "payload", "pool", "attempt", "crashes", "status")
     found: list[dict] = []
-    # Expired leases first: their owners died, and they are the oldest work.
-    for qs in (ItemClaim.objects.expired(now), ItemClaim.objects.pending_due(now)):
-        if len(found) >= limit:
-            break
+
+    def take(qs: ItemClaimQuerySet) -> None:
         qs = qs.filter(run_id=run_id)
         if exclude_pools:
             qs = qs.exclude(pool__in=exclude_pools)
-        qs = qs.exclude(pk__in=[c["pk"] for c in found]) if found else qs
-        found += list(
+        if found:
+            qs = qs.exclude(pk__in=[c["pk"] for c in found])
+        found.extend(
             qs.order_by("index")
             .select_for_update(skip_locked=True)
             .values(*fields)[: limit - len(found)]
         )
+
+    # Expired leases first: their owners died, and they are the oldest work. Looking costs a
+    # query, so a process looks at most twice a second per run, and whenever pending ones run out.
+    mono = time.monotonic()
+    looked = mono - _expired_checked.get(run_id, 0.0) >= EXPIRED_CHECK_SECONDS
+    if looked:
+        _expired_checked[run_id] = mono
+        take(ItemClaim.objects.expired(now))
+    if len(found) < limit:
+        take(ItemClaim.objects.pending_due(now))
+    if len(found) < limit and not looked:
+        take(ItemClaim.objects.expired(now))
     return found
 
 
@@ -111,9 +131,29 @@ def claim(
     lease_seconds: float,
     crash_budget: int,
     static_pool: str | None,
+    before: Callable[[], Any] | None = None,
 ) -> ClaimResult:
-    """Claim up to ``limit`` items of the run for ``owner``; say why when fewer are claimed."""
+    """Claim up to ``limit`` items of the run for ``owner``; say why when fewer are claimed.
+
+    ``before`` runs first in the same transaction: a worker records its last outcomes there,
+    so that finishing one item and claiming the next cost one commit, not two.
+    """
     with transaction.atomic():
+        done = before() if before is not None else None
+        result = _claim(run_id, owner, limit, lease_seconds, crash_budget, static_pool)
+        result.before = done
+        return result
+
+
+def _claim(
+    run_id: int,
+    owner: str,
+    limit: int,
+    lease_seconds: float,
+    crash_budget: int,
+    static_pool: str | None,
+) -> ClaimResult:
+    if True:  # the caller holds the transaction
         run = _lock_run(run_id)
         if run is None:
             return ClaimResult(None, run_status="deleted", reason="run deleted")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
 from .claim import ClaimResult, claim
@@ -62,28 +62,43 @@ class Drain:
 
     def _loop(self) -> str:
         definition = self.definition
+        # Outcomes executed but not yet recorded: they ride in the next claim's transaction.
+        carry: tuple[ClaimResult, list[ExecutionOutcome]] | None = None
         while True:
-            if self.stop.is_set():
-                return "stopped"
-            if self.deadline is not None and time.monotonic() >= self.deadline:
-                return "time budget spent"
+            done = self.stop.is_set() or (
+                self.deadline is not None and time.monotonic() >= self.deadline
+            )
+            if done:
+                if carry is not None:
+                    self._recorded(
+                        carry,
+                        self._db(
+                            lambda c=carry: self._record(c),
+                            give_up_after=definition.lease_seconds * 2,
+                        ),
+                    )
+                return "stopped" if self.stop.is_set() else "time budget spent"
+            before = (lambda c=carry: self._record(c)) if carry is not None else None
             result = self._db(
-                lambda: claim(
+                lambda before=before: claim(
                     self.run_id,
                     self.owner,
                     definition.batch_size,
                     definition.lease_seconds,
                     definition.crash_budget,
                     definition.static_pool,
+                    before=before,
                 )
             )
             if result is None:
                 continue
-            if result.items:
-                recorded = self._run_batch(result)
-                if recorded.terminal or recorded.dropped:
-                    wake_all()
+            if carry is not None:
+                recorded = self._recorded(carry, result.before)
+                carry = None
+                if recorded.terminal and not result.items:
                     self._db(lambda: maybe_join(self.run_id, definition))
+            if result.items:
+                carry = (result, self._execute(result))
                 continue
             if result.crashed_out:
                 self._db(lambda: maybe_join(self.run_id, definition))
@@ -97,26 +112,33 @@ class Drain:
                 return "run finished"
             self._idle(result)
 
-    def _run_batch(self, result: ClaimResult) -> Recorded:
+    def _execute(self, result: ClaimResult) -> list[ExecutionOutcome]:
         assert result.token is not None
         self.keeper.hold(result.token, self.definition.timeout)
         outcomes: list[ExecutionOutcome] = []
-        try:
-            for item in result.items:
-                if self.stop.is_set():
-                    # A release gives the item back at once and costs no attempt.
-                    outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
-                    continue
-                outcomes.append(execute(self.definition, self.run_id, self.params, item))
-                self.executed += 1
-            # Handlers may have used the ORM in this thread; a broken connection must not stop us.
-            close_old_connections()
-            recorded = self._db(
-                lambda: record(self.run_id, result.token, outcomes, result.failure_policy),  # type: ignore[arg-type]
-                give_up_after=self.definition.lease_seconds * 2,
-            )
-        finally:
-            self.keeper.drop(result.token)
+        for item in result.items:
+            if self.stop.is_set():
+                # A release gives the item back at once and costs no attempt.
+                outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
+                continue
+            outcomes.append(execute(self.definition, self.run_id, self.params, item))
+            self.executed += 1
+        # A handler that broke this thread's connection shows up in the next query, which
+        # _db() answers by reconnecting.
+        return outcomes
+
+    def _record(self, carry: tuple[ClaimResult, list[ExecutionOutcome]]) -> Recorded:
+        result, outcomes = carry
+        assert result.token is not None
+        return record(self.run_id, result.token, outcomes, result.failure_policy)
+
+    def _recorded(
+        self, carry: tuple[ClaimResult, list[ExecutionOutcome]], recorded: Recorded | None
+    ) -> Recorded:
+        """Stop renewing the batch's leases and say what became of its outcomes."""
+        result, outcomes = carry
+        assert result.token is not None
+        self.keeper.drop(result.token)
         if recorded is None:
             logger.error(
                 "run %s: could not record %d outcomes; their leases will expire",
@@ -130,6 +152,7 @@ class Drain:
                 self.run_id,
                 recorded.dropped,
             )
+        wake_all()  # capacity was freed: idle workers of this process may claim now
         return recorded
 
     def _idle(self, result: ClaimResult) -> None:
