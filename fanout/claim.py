@@ -59,7 +59,8 @@ class ClaimResult:
         return self.run_status == RunStatus.RUNNING
 
 
-def _lock_run(run_id: int) -> dict[str, Any] | None:
+def lock_run(run_id: int) -> dict[str, Any] | None:
+    """Lock the run's row for this transaction (on every backend) and read what claims need."""
     runs = BatchRun.objects.filter(pk=run_id)
     if connection.features.has_select_for_update:
         return runs.select_for_update().values("status", "max_parallel", "failure_policy").first()
@@ -154,7 +155,7 @@ def _claim(
     static_pool: str | None,
 ) -> ClaimResult:
     if True:  # the caller holds the transaction
-        run = _lock_run(run_id)
+        run = lock_run(run_id)
         if run is None:
             return ClaimResult(None, run_status="deleted", reason="run deleted")
         result = ClaimResult(None, run_status=run["status"], failure_policy=run["failure_policy"])

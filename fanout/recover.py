@@ -8,6 +8,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from .claim import lock_run
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from .record import cancel_pending
 
@@ -21,7 +22,7 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     now = timezone.now()
     with transaction.atomic():
         # Lock the run so a join cannot decide between our reopening and our items changing.
-        BatchRun.objects.select_for_update().filter(pk=run.pk).first()
+        lock_run(run.pk)
         qs = (items if items is not None else ItemClaim.objects.all()).filter(
             run_id=run.pk, status=ItemStatus.FAILED
         )
