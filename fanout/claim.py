@@ -62,12 +62,13 @@ class ClaimResult:
 def lock_run(run_id: int) -> dict[str, Any] | None:
     """Lock the run's row for this transaction (on every backend) and read what claims need."""
     runs = BatchRun.objects.filter(pk=run_id)
+    fields = ("status", "max_parallel", "failure_policy")
     if connection.features.has_select_for_update:
-        return runs.select_for_update().values("status", "max_parallel", "failure_policy").first()
+        return dict(runs.select_for_update().values(*fields).first() or {}) or None
     # SQLite has no row locks: writing first takes the database's write lock for the whole
     # transaction, which serialises claimers as FOR UPDATE would (and never upgrades a read lock).
     runs.update(status=F("status"))
-    return runs.values("status", "max_parallel", "failure_policy").first()
+    return dict(runs.values(*fields).first() or {}) or None
 
 
 def _lock_pools(names: list[str], skip_locked: bool = False) -> dict[str, CapacityPool]:
@@ -265,7 +266,7 @@ def _claim(
             if fresh:
                 ItemClaim.objects.filter(pk__in=fresh).update(**values)
         for name, pool in pools.items():
-            changed = {}
+            changed: dict[str, Any] = {}
             if pool.tokens is not None and any(c["pool"] == name for c in admitted):
                 changed.update(tokens=pool.tokens, tokens_at=pool.tokens_at)
             if pool.waiters != pool._waiters_loaded:  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 
 from django.db import transaction
@@ -70,7 +71,7 @@ def cancel_items(items: QuerySet[ItemClaim], reason: str = "cancelled by an oper
     )
 
 
-def release(tokens: Iterable[object]) -> int:
+def release(tokens: Iterable[uuid.UUID]) -> int:
     """Give back claims this process holds: no attempt is used, anyone may claim them again."""
     tokens = list(tokens)
     if not tokens:

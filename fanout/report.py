@@ -44,12 +44,11 @@ def waiting(run_id: int, now: datetime | None = None) -> dict[str, int]:
     full, rate limited, throttled). Waiting for the run's own max_parallel is just "pending".
     """
     now = now or timezone.now()
-    rows = (
+    rows = list(
         ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.PENDING)
         .values("pool")
         .annotate(n=Count("pk"), later=Count("pk", filter=Q(next_attempt_at__gt=now)))
     )
-    rows = list(rows)
     states = pool_states([r["pool"] for r in rows if r["pool"]], now)
     reasons: dict[str, int] = {}
     for r in rows:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TextIO
+from typing import Any
 
 from .models import ItemStatus
 from .report import Snapshot
@@ -20,7 +20,7 @@ _ORDER = (
 class Progress:
     """Rewrites one line on a TTY; elsewhere prints a line every few seconds."""
 
-    def __init__(self, out: TextIO, isatty: bool, every: float = 2.0) -> None:
+    def __init__(self, out: Any, isatty: bool, every: float = 2.0) -> None:
         self.out = out
         self.isatty = isatty
         self.every = every

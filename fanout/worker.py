@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
@@ -73,21 +74,21 @@ class Drain:
                     self._recorded(
                         carry,
                         self._db(
-                            lambda c=carry: self._record(c),
+                            partial(self._record, carry),
                             give_up_after=definition.lease_seconds * 2,
                         ),
                     )
                 return "stopped" if self.stop.is_set() else "time budget spent"
-            before = (lambda c=carry: self._record(c)) if carry is not None else None
             result = self._db(
-                lambda before=before: claim(
+                partial(
+                    claim,
                     self.run_id,
                     self.owner,
                     definition.batch_size,
                     definition.lease_seconds,
                     definition.crash_budget,
                     definition.static_pool,
-                    before=before,
+                    before=partial(self._record, carry) if carry is not None else None,
                 )
             )
             if result is None:
