@@ -179,7 +179,11 @@ def _claim(
         blocked: set[str] = set()
 
         def open_pools(names: list[str], skip_locked: bool) -> None:
+            nonlocal now
             locked = _lock_pools(names, skip_locked)
+            # Waiting for a pool's lock (another run's claim) must not age the decision either;
+            # the clock only moves forward, so what was decided before stays conservative.
+            now = max(now, timezone.now())
             counts = _pool_in_flight(list(locked), now)
             for name in names:
                 pool = locked.get(name)

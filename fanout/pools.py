@@ -54,7 +54,10 @@ def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
         raise FanoutError(f"FANOUT_POOLS[{name!r}]: max_concurrency must be an integer >= 0")
     limits["max_concurrency"] = concurrency
     if config.get("rate") is not None:
-        limits["rate_count"], limits["rate_period"] = parse_rate(config["rate"])
+        try:
+            limits["rate_count"], limits["rate_period"] = parse_rate(config["rate"])
+        except FanoutError as exc:
+            raise FanoutError(f"FANOUT_POOLS[{name!r}]: {exc}") from None
     burst = config.get("burst")
     if burst is not None:
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
