@@ -38,6 +38,15 @@ QUEUED_TTL = 600  # seconds a slot stays taken by a job that waits in the queue
 
 # Set when the RQ worker running us was asked to stop (see FanoutWorker.request_stop).
 _stop_requested = threading.Event()
+# The stop events of the drains running in this process: a stop request sets them at once, so
+# that no drain claims another item while the main thread has yet to poll.
+_running: set[threading.Event] = set()
+
+
+def _request_stop() -> None:
+    _stop_requested.set()
+    for stop in list(_running):
+        stop.set()
 
 
 def slot_key(run_id: int, slot: int) -> str:
@@ -81,11 +90,12 @@ def enqueue_drains(run: BatchRun, definition: FanOut, slots: int | None = None) 
 
 
 def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
-    job_id = f"fanout-drain-{run_id}-{slot}-{uuid.uuid4().hex[:12]}"
-    if not queue.connection.set(slot_key(run_id, slot), job_id, nx=True, ex=QUEUED_TTL):
-        return 0  # a job holds this slot, queued or running
+    taken: list[str] = []
 
     def enqueue() -> None:
+        job_id = f"fanout-drain-{run_id}-{slot}-{uuid.uuid4().hex[:12]}"
+        if not queue.connection.set(slot_key(run_id, slot), job_id, nx=True, ex=QUEUED_TTL):
+            return  # a job holds this slot, queued or running
         queue.enqueue_call(
             "fanout.rq.drain_job",
             args=(run_id, slot),
@@ -95,10 +105,12 @@ def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
             failure_ttl=86400,
             description=f"fanout: drain run {run_id} (slot {slot})",
         )
+        taken.append(job_id)
 
-    # Enqueue only once the rows it will look for are committed.
+    # Take the slot and enqueue only once the rows the job will look for are committed: a
+    # dispatch that is rolled back must not hold the slot for QUEUED_TTL with no job behind it.
     transaction.on_commit(enqueue)
-    return 1
+    return len(taken)  # inside a transaction, 0 until it commits
 
 
 def _worker_stopping(job: Any, checked: list[float]) -> bool:
@@ -167,10 +179,11 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
         and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     ):
         # A forked work horse: a SIGTERM meant for the worker's group stops us gracefully.
-        signal.signal(signal.SIGTERM, lambda signum, frame: _stop_requested.set())
+        signal.signal(signal.SIGTERM, lambda signum, frame: _request_stop())
     thread = threading.Thread(target=target, name=f"fanout-drain-{run_id}-{slot}", daemon=True)
     checked = [0.0]
     stopping_since: float | None = None
+    _running.add(drain.stop)
     keeper.start()
     try:
         thread.start()
@@ -195,6 +208,7 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
         release(keeper.held())
         raise
     finally:
+        _running.discard(drain.stop)
         keeper.stop()
     result = outcome[0] if outcome else "crashed"
     if result == "time budget spent" and not drain.stop.is_set():
@@ -238,7 +252,7 @@ class FanoutWorker(SimpleWorker):
         super().__init__(*args, **kwargs)
 
     def request_stop(self, signum: Any, frame: Any) -> None:
-        _stop_requested.set()
+        _request_stop()
         super().request_stop(signum, frame)
 
     def execute_job(self, job: Any, queue: Any) -> Any:

@@ -217,7 +217,11 @@ class Command(BaseCommand):
                     maybe_join(run.pk)  # the last worker may have died before joining
                 elif executor == "rq" and time.monotonic() - last_redispatch > 2.0:
                     # Redis may have lost the wake-ups: put back any that are gone (idempotent).
-                    dispatch(run, get_definition(run.definition), "rq", workers)
+                    try:
+                        dispatch(run, get_definition(run.definition), "rq", workers)
+                    except FanoutError as exc:
+                        # Redis is down or restarting: the rows keep the run; try again later.
+                        self.stderr.write(f"run {run.pk}: could not re-enqueue drain jobs: {exc}")
                     last_redispatch = time.monotonic()
                 if handle is not None and handle.alive:
                     handle.join(timeout=0.5)
