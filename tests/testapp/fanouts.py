@@ -13,6 +13,8 @@ Params understood by ``work`` (all optional):
   block_first     a key whose first execution blocks until ``block_file`` exists (60 s at most)
   await_failed    {key: other}: the key waits until item ``other`` is failed (30 s at most)
   probe           record in an Observation whether the handler runs inside a transaction
+  file_ledger     append one line per call ("key attempt worker") to this file instead of
+                  writing Execution rows: the handler then never writes to the database
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ def _wait(condition: Any, seconds: float, what: str) -> None:
 
 def work(item: Item) -> Any:
     p = item.params
+    if p.get("file_ledger"):
+        with open(p["file_ledger"], "a") as ledger:  # one short append per line: never torn
+            ledger.write(
+                f"{item.key} {item.attempt} {os.getpid()}:{threading.current_thread().name}\n"
+            )
+        if p.get("sleep"):
+            time.sleep(float(p["sleep"]))
+        i = item.payload["i"]
+        return {"i": i, "square": i * i}
     in_atomic = connection.in_atomic_block
     first = not Execution.objects.filter(run_id=item.run_id, key=item.key).exists()
     row = Execution.objects.create(
@@ -112,6 +123,17 @@ def summarize(outcomes: Iterable[Outcome]) -> dict[str, Any]:
     }
 
 
+def tally(outcomes: Iterable[Outcome]) -> dict[str, Any]:
+    """The join of ``summarize`` without its database write."""
+    seen = list(outcomes)
+    succeeded = [o for o in seen if o.succeeded]
+    return {
+        "count": len(seen),
+        "succeeded": len(succeeded),
+        "sum": sum(o.result["i"] for o in succeeded),
+    }
+
+
 def broken_join(outcomes: Iterable[Outcome]) -> Any:
     list(outcomes)
     raise ValueError("the join broke on purpose")
@@ -129,8 +151,9 @@ FanOut("t_any", failure_policy="collect", join_mode="any", join=summarize, **com
 FanOut("t_batched", batch_size=5, max_parallel=2, join=summarize, **common)
 FanOut("t_join_raises", join=broken_join, **common)
 FanOut("t_no_join", **common)
+FanOut("t_quiet", max_parallel=8, join=tally, **common)
 # Short leases, for renewal and crash recovery; a crash must not use up the single attempt.
-FanOut("t_lease", lease_seconds=1, max_parallel=2, join=summarize, **common)
+FanOut("t_lease", lease_seconds=2, max_parallel=2, join=summarize, **common)
 FanOut("t_crash", lease_seconds=2, max_attempts=1, max_parallel=10, join=summarize, **common)
 FanOut("t_budget", lease_seconds=5, crash_budget=2, **common)
 FanOut("t_fail_fast_budget", failure_policy="fail_fast", crash_budget=0, **common)
@@ -183,3 +206,9 @@ FanOut(
     payload=lambda e: e["payload"],
     do=lambda item: item.payload["i"],
 )
+
+
+# The definitions of the other test areas register themselves when imported.
+from .fanouts_chaos import *  # noqa: E402, F401, F403
+from .fanouts_pools import *  # noqa: E402, F401, F403
+from .fanouts_rq import *  # noqa: E402, F401, F403

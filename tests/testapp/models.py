@@ -14,6 +14,9 @@ class Execution(models.Model):
     started = models.FloatField()  # time.time() at handler start
     ended = models.FloatField(null=True)  # time.time() at handler end; null if it never ended
 
+    def __str__(self) -> str:
+        return f"{self.key} attempt {self.attempt} by {self.worker}"
+
 
 class Widget(models.Model):
     """Rows of a work list given as a queryset."""
@@ -22,11 +25,17 @@ class Widget(models.Model):
     name = models.CharField(max_length=100)
     rank = models.IntegerField()
 
+    def __str__(self) -> str:
+        return self.name
+
 
 class Observation(models.Model):
-    """Something a handler or a join saw while it ran (e.g. whether it was inside a transaction)."""
+    """Something a handler or a join saw while it ran (e.g. whether it ran in a transaction)."""
 
     run_id = models.BigIntegerField(null=True, db_index=True)
     key = models.CharField(max_length=255, blank=True, default="")
     name = models.CharField(max_length=100)
     value = models.JSONField(null=True)
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.value!r}"

@@ -4,24 +4,27 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Execution',
+            name="Execution",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('run_id', models.BigIntegerField(db_index=True)),
-                ('key', models.CharField(max_length=255)),
-                ('attempt', models.PositiveIntegerField()),
-                ('pool', models.CharField(blank=True, default='', max_length=200)),
-                ('worker', models.CharField(max_length=200)),
-                ('started', models.FloatField()),
-                ('ended', models.FloatField(null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("run_id", models.BigIntegerField(db_index=True)),
+                ("key", models.CharField(max_length=255)),
+                ("attempt", models.PositiveIntegerField()),
+                ("pool", models.CharField(blank=True, default="", max_length=200)),
+                ("worker", models.CharField(max_length=200)),
+                ("started", models.FloatField()),
+                ("ended", models.FloatField(null=True)),
             ],
         ),
     ]

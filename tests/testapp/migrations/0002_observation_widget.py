@@ -4,29 +4,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('testapp', '0001_initial'),
+        ("testapp", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Observation',
+            name="Observation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('run_id', models.BigIntegerField(db_index=True, null=True)),
-                ('key', models.CharField(blank=True, default='', max_length=255)),
-                ('name', models.CharField(max_length=100)),
-                ('value', models.JSONField(null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("run_id", models.BigIntegerField(db_index=True, null=True)),
+                ("key", models.CharField(blank=True, default="", max_length=255)),
+                ("name", models.CharField(max_length=100)),
+                ("value", models.JSONField(null=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Widget',
+            name="Widget",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('batch', models.CharField(db_index=True, max_length=50)),
-                ('name', models.CharField(max_length=100)),
-                ('rank', models.IntegerField()),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("batch", models.CharField(db_index=True, max_length=50)),
+                ("name", models.CharField(max_length=100)),
+                ("rank", models.IntegerField()),
             ],
         ),
     ]

@@ -1,0 +1,81 @@
+"""Definitions the RQ executor tests run in `rqworker` processes (imported by fanouts.py).
+
+Their handler writes every call to the Execution ledger when it starts and when it ends, with
+the worker's pid, so a test counts executions per key and knows which process ran each one.
+
+Params understood by ``ledger`` (all optional):
+  n           items in the work list (keys r00000, r00001, ...), default 10
+  delay       seconds every handler call takes
+  block_key   a key whose first execution blocks until ``block_file`` exists (60 s at most)
+  block_file  the file that lets it go
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from fanout import FanOut, Item, Outcome
+
+from .models import Execution
+
+__all__: list[str] = []  # nothing to import: constructing the definitions registers them
+
+BLOCK_LIMIT = 60.0  # seconds a blocked handler waits for its file before giving up
+
+
+def rq_key(i: int) -> str:
+    return f"r{i:05d}"
+
+
+def numbered(params: dict[str, Any]) -> range:
+    return range(int(params.get("n", 10)))
+
+
+def ledger(item: Item) -> dict[str, int]:
+    p = item.params
+    first = not Execution.objects.filter(run_id=item.run_id, key=item.key).exists()
+    row = Execution.objects.create(
+        run_id=item.run_id,
+        key=item.key,
+        attempt=item.attempt,
+        pool=item.pool,
+        worker=str(os.getpid()),
+        started=time.time(),
+    )
+    try:
+        if first and item.key == p.get("block_key"):
+            release = Path(p["block_file"])
+            deadline = time.monotonic() + BLOCK_LIMIT
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        elif p.get("delay"):
+            time.sleep(float(p["delay"]))
+        return {"i": item.payload, "pid": os.getpid()}
+    finally:
+        Execution.objects.filter(pk=row.pk).update(ended=time.time())
+
+
+def noop(item: Item) -> int:
+    return int(item.payload)
+
+
+def tally(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    counts = Counter(o.status for o in outcomes)
+    return {"items": sum(counts.values()), "succeeded": counts["succeeded"]}
+
+
+common: dict[str, Any] = dict(over=numbered, key=rq_key, join=tally)
+
+FanOut("rq_items", do=ledger, max_parallel=4, **common)
+# A short lease, so that a killed worker's item is reclaimed in seconds; a crash must not use
+# up the single attempt.
+FanOut("rq_crash", do=ledger, lease_seconds=2, max_attempts=1, max_parallel=4, **common)
+# A no-op in batches of 50, to time what the worker class costs per drain job.
+FanOut("rq_noop", do=noop, batch_size=50, max_parallel=100, **common)
+# Drain jobs go to the queue `fanout-gpu`: only workers started on it run them.
+FanOut("rq_gpu", do=ledger, requires="gpu", max_parallel=2, **common)
