@@ -1,0 +1,323 @@
+"""The item list: django-filter filters, why an item waits, and the per-item actions."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from fanout.record import SUCCEEDED, ExecutionOutcome, record
+
+from .helpers import action, make_run, messages_of, page_action, statuses
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = reverse("admin:fanout_itemclaim_changelist")
+
+
+def keys(response) -> list[str]:
+    return [i.key for i in response.context["cl"].result_list]
+
+
+def item_url(item: ItemClaim) -> str:
+    return reverse("admin:fanout_itemclaim_change", args=[item.pk])
+
+
+# ---------------------------------------------------------------------- filters
+
+
+def test_items_filter_by_run_and_status(admin_client):
+    run = make_run({"succeeded": 2, "failed": 1})
+    make_run({"failed": 1})
+
+    response = admin_client.get(CHANGELIST, {"run": run.pk, "status": "failed"})
+
+    assert response.status_code == 200
+    assert keys(response) == ["item-000002"]
+
+
+def test_the_waiting_status_lists_pending_items_held_by_a_retry_or_a_pool(admin_client):
+    CapacityPool.objects.create(name="slow-api", max_concurrency=1, paused=True)
+    held_by_retry = make_run({"pending": 3}, waiting=1)
+    held_by_pool = make_run({"pending": 2}, pool="slow-api")
+
+    response = admin_client.get(CHANGELIST, {"status": "waiting"})
+
+    got = {(i.run_id, i.key) for i in response.context["cl"].result_list}
+    assert got == {
+        (held_by_retry.pk, "item-000000"),
+        (held_by_pool.pk, "item-000000"),
+        (held_by_pool.pk, "item-000001"),
+    }
+
+
+def test_items_filter_by_pool_error_class_attempts_and_lease_holder(admin_client):
+    CapacityPool.objects.create(name="provider-a", max_concurrency=3)
+    run = make_run({"failed": 4, "running": 1}, pool="provider-a")
+    make_run({"failed": 1})
+    ItemClaim.objects.filter(run=run, index=1).update(attempt=1)
+
+    def get(**params):
+        return keys(admin_client.get(CHANGELIST, params))
+
+    assert len(get(pool="provider-a")) == 5
+    assert get(run=run.pk, error_class="TimeoutError") == ["item-000001", "item-000003"]
+    assert get(run=run.pk, attempt_max=1) == ["item-000001", "item-000004"]
+    assert get(run=run.pk, attempt_min=2, attempt_max=3) == [
+        "item-000000",
+        "item-000002",
+        "item-000003",
+    ]
+    assert get(owner="worker-2") == ["item-000004"]
+
+
+def test_items_filter_by_when_they_finished(admin_client):
+    run = make_run({"succeeded": 3})
+    now = timezone.now()
+    ItemClaim.objects.filter(run=run, index=0).update(finished_at=now - timedelta(days=2))
+    ItemClaim.objects.filter(run=run, index=2).update(finished_at=now + timedelta(days=2))
+    after = (now - timedelta(days=1)).strftime("%Y-%m-%dT%H:%M")
+    before = (now + timedelta(days=1)).strftime("%Y-%m-%dT%H:%M")
+
+    response = admin_client.get(
+        CHANGELIST, {"run": run.pk, "finished_after": after, "finished_before": before}
+    )
+
+    assert keys(response) == ["item-000001"]
+
+
+def test_an_invalid_filter_value_is_reported_not_crashed_on(admin_client):
+    response = admin_client.get(CHANGELIST, {"attempt_min": "many"})
+
+    assert response.status_code == 302
+    assert response.url.endswith("?e=1")
+
+
+def test_items_are_searched_by_key_and_error_text(admin_client):
+    run = make_run({"succeeded": 2, "failed": 2})
+
+    by_key = keys(admin_client.get(CHANGELIST, {"run": run.pk, "q": "item-000001"}))
+    by_error = keys(admin_client.get(CHANGELIST, {"run": run.pk, "q": "item 3 broke"}))
+
+    assert by_key == ["item-000001"]
+    assert by_error == ["item-000003"]
+
+
+def test_the_filter_sidebar_keeps_the_other_filters_when_one_is_changed(admin_client):
+    run = make_run({"failed": 1})
+
+    html = admin_client.get(CHANGELIST, {"run": run.pk, "status": "failed"}).content.decode()
+
+    # The status links keep the run; the value form carries the status along.
+    assert f'href="?run={run.pk}&amp;status=pending"' in html
+    assert '<input type="hidden" name="status" value="failed">' in html
+    assert f'name="run" value="{run.pk}"' in html
+
+
+# ---------------------------------------------------------------------- columns
+
+
+def test_each_item_says_why_it_waits(admin_client):
+    CapacityPool.objects.create(name="paused-api", max_concurrency=5, paused=True)
+    CapacityPool.objects.create(name="open-api", max_concurrency=5)
+    by_retry = make_run({"pending": 1}, waiting=1)
+    by_pool = make_run({"pending": 1}, pool="paused-api")
+    ready = make_run({"pending": 1}, pool="open-api")
+    full = make_run({"running": 4, "pending": 1})
+    writing = make_run({"pending": 1}, status=RunStatus.PENDING)
+
+    response = admin_client.get(CHANGELIST, {"status": "pending"})
+
+    why = {i.run_id: i.fanout_waits for i in response.context["cl"].result_list}
+    assert why[by_retry.pk].startswith("retry due in 1m")
+    assert why[by_pool.pk] == "paused-api: pool paused"
+    assert why[ready.pk] == "ready: the next free worker claims it"
+    assert why[full.pk] == "run at max_parallel (4/4)"
+    assert why[writing.pk] == "its run is still writing items"
+    html = response.content.decode()
+    assert "paused-api: pool paused" in html
+
+
+def test_an_items_own_page_says_why_it_waits(admin_client):
+    CapacityPool.objects.create(name="paused-api", paused=True)
+    run = make_run({"pending": 1}, pool="paused-api")
+
+    html = admin_client.get(item_url(ItemClaim.objects.get(run=run))).content.decode()
+
+    assert "paused-api: pool paused" in html
+
+
+def test_the_item_list_shows_attempts_lease_last_error_and_duration(admin_client):
+    run = make_run({"failed": 1, "running": 1})
+
+    html = admin_client.get(CHANGELIST, {"run": run.pk}).content.decode()
+
+    assert "3/3" in html  # attempt / the definition's max_attempts
+    assert "ValueError: item 0 broke" in html
+    assert "Traceback" not in html  # only the last line of the error
+    assert "in 9m 5" in html  # the running item's 10-minute lease
+    assert "10s" in html  # started 30 s ago, finished 20 s ago
+
+
+def test_a_lease_that_ran_out_shows_how_long_ago(admin_client):
+    run = make_run({"running": 1}, lease_seconds=-90)
+
+    html = admin_client.get(CHANGELIST, {"run": run.pk}).content.decode()
+
+    assert "expired 1m 3" in html
+
+
+def test_nobody_edits_adds_or_deletes_an_item_by_hand(admin_client):
+    run = make_run({"failed": 1})
+    item = ItemClaim.objects.get(run=run)
+
+    page = admin_client.get(item_url(item))
+    posted = admin_client.post(item_url(item), {"status": "succeeded"})
+
+    assert page.status_code == 200 and page.context["adminform"].form.fields == {}
+    assert posted.status_code == 403
+    assert ItemClaim.objects.get(pk=item.pk).status == ItemStatus.FAILED
+    assert admin_client.get(reverse("admin:fanout_itemclaim_add")).status_code == 403
+    assert (
+        admin_client.get(reverse("admin:fanout_itemclaim_delete", args=[item.pk])).status_code
+        == 403
+    )
+
+
+# ---------------------------------------------------------------------- actions
+
+
+def test_retry_selected_retries_only_the_failed_ones_among_them(admin_client):
+    run = make_run({"succeeded": 2, "failed": 3}, status=RunStatus.FAILED)
+    pks = list(ItemClaim.objects.filter(run=run).order_by("index").values_list("pk", flat=True))
+
+    response = action(admin_client, CHANGELIST, "retry_items", pks[1], pks[2], pks[3])
+
+    assert statuses(run) == {"succeeded": 2, "pending": 2, "failed": 1}
+    assert ItemClaim.objects.get(pk=pks[4]).status == ItemStatus.FAILED
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.RUNNING
+    assert "2 failed items back to pending. 1 item skipped" in messages_of(response)[0]
+
+
+def test_retry_across_a_filtered_list_retries_every_failed_item_of_the_run(admin_client):
+    run = make_run({"succeeded": 5, "failed": 250}, status=RunStatus.FAILED)
+    other = make_run({"failed": 3}, status=RunStatus.FAILED)
+
+    # The browser sends the page's checked rows along with "select all".
+    first = ItemClaim.objects.filter(run=run, status=ItemStatus.FAILED).first()
+    response = action(
+        admin_client,
+        f"{CHANGELIST}?run={run.pk}&status=failed",
+        "retry_items",
+        first.pk,
+        across=True,
+    )
+
+    assert response.status_code == 302
+    assert statuses(run) == {"succeeded": 5, "pending": 250}
+    assert statuses(other) == {"failed": 3}
+
+
+def test_cancel_selected_cancels_pending_items_only(admin_client):
+    run = make_run({"running": 1, "pending": 2, "failed": 1})
+    pks = list(ItemClaim.objects.filter(run=run).order_by("index").values_list("pk", flat=True))
+
+    response = action(admin_client, CHANGELIST, "cancel_items", *pks)
+
+    assert statuses(run) == {"running": 1, "cancelled": 2, "failed": 1}
+    assert messages_of(response) == ["Cancelled 2 pending items."]
+
+
+def test_cancelling_a_runs_last_pending_items_says_who_joins_it(admin_client):
+    run = make_run({"succeeded": 1, "pending": 1})
+    pending = ItemClaim.objects.get(run=run, status=ItemStatus.PENDING)
+
+    response = action(admin_client, CHANGELIST, "cancel_items", pending.pk)
+
+    assert f"run {run.pk} has no unfinished items left" in messages_of(response)[1]
+    # The join runs in a worker, not in the request.
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.RUNNING
+
+
+def test_force_release_gives_running_items_back_and_the_old_holder_cannot_record(admin_client):
+    run = make_run({"running": 2, "pending": 1})
+    held = list(ItemClaim.objects.filter(run=run, status=ItemStatus.RUNNING).order_by("index"))
+    old_token = held[0].claim_token
+
+    response = action(
+        admin_client,
+        CHANGELIST,
+        "force_release_leases",
+        *ItemClaim.objects.filter(run=run).values_list("pk", flat=True),
+    )
+    late = record(
+        run.pk,
+        old_token,
+        [ExecutionOutcome(i.pk, i.key, SUCCEEDED, result={"late": True}) for i in held],
+        run.failure_policy,
+    )
+
+    assert "Released 2 leases" in messages_of(response)[0]
+    assert late.written == 0 and late.dropped == 2
+    for item in ItemClaim.objects.filter(pk__in=[i.pk for i in held]):
+        assert item.status == ItemStatus.PENDING
+        assert item.claim_token is None and item.result is None
+
+
+def test_the_item_page_offers_its_actions_as_buttons_of_the_page(admin_client):
+    run = make_run({"failed": 1})
+    item = ItemClaim.objects.get(run=run)
+
+    response = page_action(admin_client, item_url(item), "retry_items", item.pk)
+
+    assert response.status_code == 302
+    assert ItemClaim.objects.get(pk=item.pk).status == ItemStatus.PENDING
+
+
+# ------------------------------------------------------------------ permissions
+
+
+@pytest.mark.parametrize(
+    ("name", "codename", "counts", "expected"),
+    [
+        ("retry_items", "retry_item", {"failed": 2}, {"pending": 2}),
+        ("cancel_items", "cancel_item", {"pending": 2}, {"cancelled": 2}),
+        ("force_release_leases", "force_release_item", {"running": 2}, {"pending": 2}),
+    ],
+)
+def test_each_item_action_needs_its_own_permission(operator, name, codename, counts, expected):
+    run = make_run(counts)
+    pks = list(ItemClaim.objects.filter(run=run).values_list("pk", flat=True))
+    others = {"retry_item", "cancel_item", "force_release_item"} - {codename}
+
+    def offered(client):
+        form = client.get(CHANGELIST).context["action_form"]
+        return form is not None and name in dict(form.fields["action"].choices)
+
+    for client in (operator(), operator(*others)):
+        assert not offered(client)
+        assert action(client, CHANGELIST, name, *pks).status_code in (200, 302, 403)
+        assert page_action(client, item_url(ItemClaim.objects.get(pk=pks[0])), name, pks[0])
+        assert statuses(run) == counts
+
+    holder = operator(codename)
+    assert offered(holder)
+    action(holder, CHANGELIST, name, *pks)
+    assert statuses(run) == expected
+
+
+def test_retrying_items_does_not_let_one_force_release_leases(operator):
+    client = operator("retry_item", "cancel_item")
+    run = make_run({"running": 1})
+    item = ItemClaim.objects.get(run=run)
+    token = item.claim_token
+
+    action(client, CHANGELIST, "force_release_leases", item.pk)
+
+    item.refresh_from_db()
+    assert item.status == ItemStatus.RUNNING and item.claim_token == token
+    assert isinstance(token, uuid.UUID)

@@ -1,0 +1,364 @@
+"""The runs' pages and actions, through the Django test client on real PostgreSQL."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.urls import reverse
+
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+
+from .helpers import action, make_run, messages_of, page_action, statuses
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = reverse("admin:fanout_batchrun_changelist")
+
+
+def change_url(run: BatchRun) -> str:
+    return reverse("admin:fanout_batchrun_change", args=[run.pk])
+
+
+def progress_url(run: BatchRun) -> str:
+    return reverse("admin:fanout_batchrun_progress", args=[run.pk])
+
+
+# ------------------------------------------------------------------------ pages
+
+
+def test_the_run_list_shows_each_runs_progress_bar_counts_and_rate(admin_client):
+    run = make_run({"succeeded": 6, "failed": 2, "running": 1, "pending": 3}, waiting=1)
+
+    response = admin_client.get(CHANGELIST)
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert run.run_key in html
+    assert "fanout-seg-succeeded" in html and "fanout-seg-failed" in html
+    assert "fanout-seg-waiting" in html and "fanout-seg-running" in html
+    assert "2 failed" in html and "1 running" in html and "1 waiting" in html
+    # 8 done of 12 in the 5 minutes since it started.
+    assert "<strong>8</strong>&thinsp;/&thinsp;12" in html
+    assert "0.03/s" in html
+
+
+def test_the_run_list_searches_by_run_key_and_filters_by_status_and_definition(admin_client):
+    wanted = make_run({"succeeded": 1}, run_key="nightly-2026-11-29")
+    other = make_run({"failed": 1}, status=RunStatus.FAILED, run_key="weekly-48")
+
+    found = admin_client.get(CHANGELIST, {"q": "nightly"}).context["cl"].result_list
+    failed = admin_client.get(CHANGELIST, {"status__exact": "failed"}).context["cl"].result_list
+    by_definition = admin_client.get(CHANGELIST, {"definition": "admin-console"})
+
+    assert [r.pk for r in found] == [wanted.pk]
+    assert [r.pk for r in failed] == [other.pk]
+    assert {r.pk for r in by_definition.context["cl"].result_list} == {wanted.pk, other.pk}
+
+
+def test_the_run_list_filters_by_the_date_a_run_was_created(admin_client):
+    run = make_run({"succeeded": 1})
+    cl = admin_client.get(CHANGELIST).context["cl"]
+    [dates] = [s for s in cl.filter_specs if s.title == "created at"]
+    links = {c["display"]: c["query_string"] for c in dates.choices(cl)}
+
+    today = admin_client.get(CHANGELIST + links["Today"]).context["cl"].result_list
+
+    assert [r.pk for r in today] == [run.pk]
+
+
+def test_the_run_page_groups_failures_by_error_class_with_one_example_each(admin_client):
+    run = make_run(
+        {"succeeded": 4, "failed": 5}, error_classes=("ValueError", "ValueError", "KeyError")
+    )
+
+    response = admin_client.get(change_url(run))
+
+    assert response.status_code == 200
+    groups = [(f["group"].error_class, f["group"].count) for f in response.context["failures"]]
+    assert groups == [("ValueError", 4), ("KeyError", 1)]
+    example = response.context["failures"][0]["group"].example
+    assert example.key == "item-000004"
+    assert "ValueError: item 4 broke" in response.content.decode()
+    assert f"?run={run.pk}&amp;status=failed&amp;error_class=KeyError" in response.content.decode()
+
+
+def test_the_run_page_links_its_items_filtered_by_status(admin_client):
+    run = make_run({"succeeded": 1, "failed": 1})
+
+    html = admin_client.get(change_url(run)).content.decode()
+
+    for status in ("succeeded", "failed", "running", "waiting", "pending", "cancelled"):
+        assert f"?run={run.pk}&amp;status={status}" in html
+
+
+def test_the_run_page_shows_the_join_result_and_the_pools_with_their_state(admin_client):
+    CapacityPool.objects.create(name="provider-a", max_concurrency=2, paused=True)
+    run = make_run(
+        {"succeeded": 3, "pending": 2},
+        pool="provider-a",
+        join_result={"thumbnails": 3},
+        join_runs=1,
+    )
+
+    response = admin_client.get(change_url(run))
+
+    html = response.content.decode()
+    assert "&quot;thumbnails&quot;: 3" in html
+    [pool] = response.context["pools"]
+    assert pool["state"].name == "provider-a" and pool["items"] == 5
+    assert pool["state"].reason == "pool paused"
+    # Its pending items wait for the paused pool.
+    assert response.context["progress"].counts["waiting"] == 2
+    assert response.context["progress"].waiting_reasons == {"provider-a: pool paused": 2}
+
+
+def test_the_run_page_polls_while_the_run_is_active_and_not_after(admin_client):
+    active = make_run({"running": 1})
+    finished = make_run({"succeeded": 1}, status=RunStatus.SUCCEEDED)
+
+    assert 'data-active="true"' in admin_client.get(change_url(active)).content.decode()
+    assert 'data-active="false"' in admin_client.get(change_url(finished)).content.decode()
+
+
+def test_the_progress_endpoint_returns_counts_segments_and_whether_the_run_is_active(
+    admin_client,
+):
+    run = make_run({"succeeded": 2, "failed": 1, "pending": 1})
+
+    response = admin_client.get(progress_url(run))
+
+    assert response.status_code == 200
+    data = json.loads(response.content)
+    assert data["active"] is True and data["status"] == "running"
+    assert data["counts"] == {
+        "succeeded": 2,
+        "failed": 1,
+        "running": 0,
+        "waiting": 0,
+        "pending": 1,
+        "cancelled": 0,
+    }
+    assert data["total"] == 4 and data["done"] == 3 and data["percent_done"] == 75.0
+    assert [s["status"] for s in data["segments"]] == ["succeeded", "failed", "pending"]
+    assert sum(s["width"] for s in data["segments"]) == pytest.approx(1000)
+
+
+def test_the_progress_endpoint_needs_a_staff_user_who_may_view_runs(client, operator):
+    run = make_run({"pending": 1})
+
+    assert client.get(progress_url(run)).status_code == 302  # to the login page
+    assert operator().get(progress_url(run)).status_code == 200
+
+
+def test_only_max_parallel_is_editable_and_saving_it_writes_nothing_else(admin_client):
+    run = make_run({"running": 1})
+    # A worker moves the run on after the operator opened the page.
+    form = admin_client.get(change_url(run)).context["adminform"].form
+    assert list(form.fields) == ["max_parallel"]
+    BatchRun.objects.filter(pk=run.pk).update(status=RunStatus.JOINING, join_runs=1)
+
+    response = admin_client.post(change_url(run), {"max_parallel": 9})
+
+    assert response.status_code == 302
+    run.refresh_from_db()
+    assert run.max_parallel == 9
+    assert run.status == RunStatus.JOINING and run.join_runs == 1
+
+
+def test_runs_cannot_be_added_or_deleted_in_the_admin(admin_client):
+    run = make_run({"pending": 1})
+
+    assert admin_client.get(reverse("admin:fanout_batchrun_add")).status_code == 403
+    assert (
+        admin_client.get(reverse("admin:fanout_batchrun_delete", args=[run.pk])).status_code == 403
+    )
+
+
+# ---------------------------------------------------------------------- actions
+
+
+def test_retry_failed_items_puts_only_the_failed_items_back_and_reopens_the_run(admin_client):
+    run = make_run({"succeeded": 3, "failed": 2, "cancelled": 1}, status=RunStatus.FAILED)
+
+    response = action(admin_client, CHANGELIST, "retry_failed_items", run.pk)
+
+    assert response.status_code == 302
+    assert statuses(run) == {"succeeded": 3, "pending": 2, "cancelled": 1}
+    run.refresh_from_db()
+    assert run.status == RunStatus.RUNNING and run.finished_at is None
+    retried = ItemClaim.objects.filter(run=run, status=ItemStatus.PENDING)
+    assert {(i.attempt, i.owner, i.finished_at) for i in retried} == {(1, "", None)}
+    notes = messages_of(response)
+    assert "2 failed items of 1 run back to pending." in notes
+    # The admin never runs items in the web process: it says how to start the inline workers.
+    assert f"`manage.py run_fanout --resume {run.pk}`" in " ".join(notes)
+    assert LogEntry.objects.filter(object_id=str(run.pk)).exists()
+
+
+def test_retry_failed_on_ten_thousand_items_touches_only_the_three_thousand_failed_in_one_request(
+    admin_client, django_assert_max_num_queries
+):
+    run = make_run({"succeeded": 7000, "failed": 3000}, status=RunStatus.FAILED)
+    before = {
+        pk: (status, finished_at, attempt)
+        for pk, status, finished_at, attempt in ItemClaim.objects.filter(
+            run=run, status=ItemStatus.SUCCEEDED
+        ).values_list("pk", "status", "finished_at", "attempt")
+    }
+
+    with django_assert_max_num_queries(25):
+        response = action(admin_client, CHANGELIST, "retry_failed_items", run.pk)
+
+    assert response.status_code == 302
+    assert statuses(run) == {"succeeded": 7000, "pending": 3000}
+    after = {
+        pk: (status, finished_at, attempt)
+        for pk, status, finished_at, attempt in ItemClaim.objects.filter(
+            run=run, status=ItemStatus.SUCCEEDED
+        ).values_list("pk", "status", "finished_at", "attempt")
+    }
+    assert after == before
+    assert "3,000 failed items of 1 run back to pending." in messages_of(response)
+
+
+def test_retry_failed_skips_runs_without_failures_and_cancelled_runs(admin_client):
+    clean = make_run({"succeeded": 2}, status=RunStatus.SUCCEEDED)
+    cancelled = make_run({"failed": 2, "cancelled": 1}, status=RunStatus.CANCELLED)
+
+    response = action(admin_client, CHANGELIST, "retry_failed_items", clean.pk, cancelled.pk)
+
+    assert statuses(clean) == {"succeeded": 2}
+    assert statuses(cancelled) == {"failed": 2, "cancelled": 1}
+    assert BatchRun.objects.get(pk=cancelled.pk).status == RunStatus.CANCELLED
+    assert "0 failed items of 0 runs back to pending." in messages_of(response)
+
+
+def test_retry_failed_items_from_the_run_page_is_one_button(admin_client):
+    run = make_run({"succeeded": 1, "failed": 2}, status=RunStatus.FAILED)
+    page = admin_client.get(change_url(run))
+    assert [b[0] for b in page.context["buttons"]] == ["retry_failed_items"]
+    assert "Retry 2 failed items" in page.content.decode()
+
+    response = page_action(admin_client, change_url(run), "retry_failed_items", run.pk)
+
+    assert response.status_code == 302 and response.url == change_url(run)
+    assert statuses(run) == {"succeeded": 1, "pending": 2}
+
+
+def test_retry_on_a_run_that_cannot_be_dispatched_reopens_it_and_says_why(admin_client):
+    run = make_run({"failed": 1}, status=RunStatus.FAILED, executor="rq")
+    BatchRun.objects.filter(pk=run.pk).update(definition="no-longer-defined")
+
+    response = action(admin_client, CHANGELIST, "retry_failed_items", run.pk)
+
+    assert statuses(run) == {"pending": 1}
+    [note] = [m for m in messages_of(response) if "could not be dispatched" in m]
+    assert "unknown fan-out 'no-longer-defined'" in note
+
+
+def test_cancel_run_cancels_pending_items_and_lets_running_ones_finish(admin_client):
+    run = make_run({"succeeded": 1, "running": 2, "pending": 3})
+    done = make_run({"succeeded": 1}, status=RunStatus.SUCCEEDED)
+
+    response = action(admin_client, CHANGELIST, "cancel_runs", run.pk, done.pk)
+
+    assert statuses(run) == {"succeeded": 1, "running": 2, "cancelled": 3}
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.CANCELLED
+    assert BatchRun.objects.get(pk=done.pk).status == RunStatus.SUCCEEDED
+    assert "Cancelled 1 run: 3 pending items cancelled; running items finish." in messages_of(
+        response
+    )
+
+
+def test_redispatch_of_an_inline_run_says_how_to_start_its_workers(admin_client):
+    run = make_run({"pending": 2})
+    finished = make_run({"succeeded": 1}, status=RunStatus.SUCCEEDED)
+
+    response = action(admin_client, CHANGELIST, "redispatch_runs", run.pk, finished.pk)
+
+    assert messages_of(response) == [
+        f"run {run.pk} uses the inline executor: start its workers with "
+        f"`manage.py run_fanout --resume {run.pk}`"
+    ]
+    assert statuses(run) == {"pending": 2}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fanout.rq") is None, reason="no fanout.rq")
+def test_redispatch_of_an_rq_run_enqueues_its_drain_jobs_when_the_request_commits(
+    admin_client, django_capture_on_commit_callbacks
+):
+    run = make_run({"pending": 2}, executor="rq")
+
+    # Not executed: the jobs would go to the shared Redis, to workers of another database.
+    with django_capture_on_commit_callbacks() as enqueues:
+        response = action(admin_client, CHANGELIST, "redispatch_runs", run.pk)
+
+    assert messages_of(response) == [f"Workers woken for run {run.pk}."]
+    assert len(enqueues) >= 1
+
+
+# ------------------------------------------------------------------ permissions
+
+
+@pytest.mark.parametrize(
+    ("name", "codename"),
+    [
+        ("retry_failed_items", "retry_run"),
+        ("cancel_runs", "cancel_run"),
+        ("redispatch_runs", "dispatch_run"),
+    ],
+)
+def test_each_run_action_is_offered_only_to_holders_of_its_permission(operator, name, codename):
+    without, holder = operator(), operator(codename)
+
+    def offered(client):
+        form = client.get(CHANGELIST).context["action_form"]
+        return form is not None and name in dict(form.fields["action"].choices)
+
+    assert not offered(without)
+    assert offered(holder)
+
+
+@pytest.mark.parametrize(
+    ("name", "other"),
+    [
+        ("retry_failed_items", "cancel_run"),
+        ("cancel_runs", "retry_run"),
+        ("redispatch_runs", "cancel_run"),
+    ],
+)
+def test_a_run_action_posted_without_its_permission_changes_nothing(operator, name, other):
+    run = make_run({"failed": 2, "pending": 2})
+    # Once with no action at all, once holding a different one.
+    for client in (operator(), operator(other)):
+        response = action(client, CHANGELIST, name, run.pk)
+        assert response.status_code in (200, 302, 403)
+        page = page_action(client, change_url(run), name, run.pk)
+        assert page.status_code in (200, 302, 403)
+
+    assert statuses(run) == {"failed": 2, "pending": 2}
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.RUNNING
+
+
+def test_the_run_page_shows_only_the_buttons_its_viewer_may_press(operator):
+    run = make_run({"failed": 1, "pending": 1})
+
+    assert operator().get(change_url(run)).context["buttons"] == []
+    buttons = operator("cancel_run").get(change_url(run)).context["buttons"]
+    assert [b[0] for b in buttons] == ["cancel_runs"]
+
+
+def test_retrying_several_inline_runs_tells_the_operator_once_how_to_resume_them(admin_client):
+    a = make_run({"failed": 1}, status=RunStatus.FAILED)
+    b = make_run({"failed": 2}, status=RunStatus.FAILED)
+
+    response = action(admin_client, CHANGELIST, "retry_failed_items", a.pk, b.pk)
+
+    assert messages_of(response) == [
+        "3 failed items of 2 runs back to pending.",
+        f"runs {a.pk}, {b.pk} use the inline executor: start their workers with "
+        "`manage.py run_fanout --resume ID`",
+    ]
