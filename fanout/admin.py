@@ -478,8 +478,8 @@ class ItemClaimAdmin(_PermissionsMixin, admin.ModelAdmin):
     show_facets = admin.ShowFacets.NEVER
     show_full_result_count = False
     paginator = EstimatedCountPaginator
-    # Served by the (run, key) unique index; "run" would sort by the run's own ordering.
-    ordering = ("run_id", "key")
+    # Work-list order, served by the (run, index) unique index.
+    ordering = ("run_id", "index")
     actions = ("retry_items", "cancel_items", "force_release_leases")
     fieldsets = (
         (None, {"fields": (("key", "index"), "run", ("status", "pool"), "payload_display")}),

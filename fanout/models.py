@@ -143,7 +143,7 @@ class ItemClaim(models.Model):
     objects = ItemClaimQuerySet.as_manager()
 
     class Meta:
-        ordering = ["run", "index"]
+        ordering = ["run_id", "index"]
         permissions = [
             ("retry_item", "Can retry failed items"),
             ("cancel_item", "Can cancel pending items"),
@@ -151,6 +151,7 @@ class ItemClaim(models.Model):
         ]
         constraints = [
             models.UniqueConstraint(fields=["run", "key"], name="fanout_item_unique_run_key"),
+            models.UniqueConstraint(fields=["run", "index"], name="fanout_item_unique_run_index"),
         ]
         indexes = [
             # Serves the claim query: pending items of a run in index order.
