@@ -37,7 +37,6 @@ from .admin_views import (
     human_duration,
     human_rate,
     last_line,
-    pool_states,
     progress_of,
     run_progress_view,
 )
@@ -47,6 +46,7 @@ from .errors import FanoutError
 from .filters import ItemClaimFilter
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from .pools import headroom, refill
+from .report import pool_states
 
 BOTH = [admin.ActionLocation.CHANGE_LIST, admin.ActionLocation.CHANGE_FORM]
 # Runs whose failed items may be retried: a pending run is still writing items, and retrying

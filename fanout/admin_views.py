@@ -14,8 +14,8 @@ from django.db.models import Count, Min, Q
 from django.http import Http404, HttpRequest, JsonResponse
 from django.utils import timezone
 
-from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
-from .pools import headroom, refill
+from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from .report import pool_states
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin
@@ -30,56 +30,6 @@ POLL_MILLISECONDS = 2000
 
 
 # ---------------------------------------------------------------------------------- pools
-
-
-@dataclass
-class PoolState:
-    """A pool as an operator sees it: its row, its live leases, and why it admits nothing."""
-
-    name: str
-    pool: CapacityPool | None
-    in_flight: int
-    reason: str  # "" while it has headroom
-
-    @property
-    def label(self) -> str:
-        return self.reason or "admitting"
-
-    @property
-    def short_reason(self) -> str:
-        """The reason without its time ("rate limited", not "rate limited until 10:00:01")."""
-        return self.reason.split(" until ")[0]
-
-
-def pool_states(names: Iterable[str] | None, now: datetime) -> dict[str, PoolState]:
-    """The named pools (every pool for None) and their state, in two queries for any number."""
-    pools_qs = CapacityPool.objects.all()
-    if names is not None:
-        wanted = sorted({n for n in names if n})
-        if not wanted:
-            return {}
-        pools_qs = pools_qs.filter(name__in=wanted)
-    pools = {p.name: p for p in pools_qs}
-    if names is None:
-        wanted = sorted(pools)
-    in_flight = dict(
-        ItemClaim.objects.in_flight(now)
-        .filter(pool__in=wanted)
-        .values("pool")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("pool", "n")
-    )
-    states = {}
-    for name in wanted:
-        pool = pools.get(name)
-        count = in_flight.get(name, 0)
-        if pool is None:
-            states[name] = PoolState(name, None, count, "pool missing")
-            continue
-        refill(pool, now)
-        states[name] = PoolState(name, pool, count, headroom(pool, count, now).reason)
-    return states
 
 
 def waiting_q(now: datetime) -> Q:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,24 +17,53 @@ from .pools import headroom, refill
 FAILED_LISTED = 10_000  # a report lists at most this many failed items
 
 
-def pool_states(names: list[str], now: datetime) -> dict[str, str]:
-    """For each pool, why it admits nothing now ("" when it has headroom)."""
-    pools = {p.name: p for p in CapacityPool.objects.filter(name__in=names)}
+@dataclass
+class PoolState:
+    """A pool as an operator sees it: its row, its live leases, and why it admits nothing."""
+
+    name: str
+    pool: CapacityPool | None
+    in_flight: int
+    reason: str  # "" while it has headroom
+
+    @property
+    def label(self) -> str:
+        return self.reason or "admitting"
+
+    @property
+    def short_reason(self) -> str:
+        """The reason without its time ("rate limited", not "rate limited until 10:00:01")."""
+        return self.reason.split(" until ")[0]
+
+
+def pool_states(names: Iterable[str] | None, now: datetime) -> dict[str, PoolState]:
+    """The named pools (every pool for None) and their state, in two queries for any number."""
+    pools_qs = CapacityPool.objects.all()
+    if names is not None:
+        wanted = sorted({n for n in names if n})
+        if not wanted:
+            return {}
+        pools_qs = pools_qs.filter(name__in=wanted)
+    pools = {p.name: p for p in pools_qs}
+    if names is None:
+        wanted = sorted(pools)
     in_flight = dict(
         ItemClaim.objects.in_flight(now)
-        .filter(pool__in=names)
+        .filter(pool__in=wanted)
         .values("pool")
         .annotate(n=Count("pk"))
+        .order_by()
         .values_list("pool", "n")
     )
     states = {}
-    for name in names:
+    for name in wanted:
         pool = pools.get(name)
+        count = in_flight.get(name, 0)
         if pool is None:
-            states[name] = "pool missing"
+            states[name] = PoolState(name, None, count, "pool missing")
             continue
         refill(pool, now)
-        states[name] = headroom(pool, in_flight.get(name, 0), now).reason
+        states[name] = PoolState(name, pool, count, headroom(pool, count, now).reason)
     return states
 
 
@@ -49,7 +79,7 @@ def waiting(run_id: int, now: datetime | None = None) -> dict[str, int]:
         .values("pool")
         .annotate(n=Count("pk"), later=Count("pk", filter=Q(next_attempt_at__gt=now)))
     )
-    states = pool_states([r["pool"] for r in rows if r["pool"]], now)
+    states = {n: s.reason for n, s in pool_states([r["pool"] for r in rows], now).items()}
     reasons: dict[str, int] = {}
     for r in rows:
         if r["later"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db.models import Count
 from django.utils import timezone
 
 from fanout.errors import FanoutError
@@ -37,14 +38,18 @@ class Command(BaseCommand):
         now = timezone.now()
         pools = list(CapacityPool.objects.all())
         states = pool_states([p.name for p in pools], now)
-        in_flight = {p: ItemClaim.objects.in_flight(now).filter(pool=p).count() for p in states}
-        waiting = {
-            p: ItemClaim.objects.filter(pool=p, status=ItemStatus.PENDING).count() for p in states
-        }
+        pending = dict(
+            ItemClaim.objects.filter(status=ItemStatus.PENDING, pool__in=list(states))
+            .values("pool")
+            .annotate(n=Count("pk"))
+            .order_by()
+            .values_list("pool", "n")
+        )
         for pool in pools:
+            state = states[pool.name]
             self.stdout.write(
-                f"{pool.name}: in flight {in_flight[pool.name]}/{pool.max_concurrency}, "
-                f"rate {pool.describe_rate()}, pending {waiting[pool.name]}"
+                f"{pool.name}: in flight {state.in_flight}/{pool.max_concurrency}, "
+                f"rate {pool.describe_rate()}, pending {pending.get(pool.name, 0)}"
                 + (", paused" if pool.paused else "")
-                + (f" — {states[pool.name]}" if states[pool.name] else "")
+                + (f" — {state.reason}" if state.reason else "")
             )
