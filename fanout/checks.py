@@ -72,3 +72,34 @@ def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     except Exception as exc:  # a malformed queue config must not crash every command
         return [Warning(f"RQ queue {conf.QUEUE!r} is misconfigured: {exc}", id="fanout.W003")]
     return []
+
+
+@register(Tags.compatibility)
+def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """Concurrent workers on SQLite need serialised writers that readers do not block."""
+    from django.conf import settings
+
+    problems: list[Any] = []
+    for alias, db in settings.DATABASES.items():
+        if db.get("ENGINE") != "django.db.backends.sqlite3":
+            continue
+        options = db.get("OPTIONS") or {}
+        missing = []
+        if str(options.get("transaction_mode") or "").upper() != "IMMEDIATE":
+            missing.append('"transaction_mode": "IMMEDIATE"')
+        if float(options.get("timeout") or 5) < 20:
+            missing.append('"timeout": 20')
+        init = str(options.get("init_command") or "").lower().replace(" ", "")
+        if "journal_mode=wal" not in init:
+            missing.append('"init_command": "PRAGMA journal_mode=WAL;"')
+        if missing:
+            problems.append(
+                Warning(
+                    f"DATABASES[{alias!r}] is SQLite without the options that fanout's "
+                    "concurrent workers need: writers may fail with 'database is locked' "
+                    "and stall for seconds",
+                    hint="add to its OPTIONS: " + ", ".join(missing),
+                    id="fanout.W004",
+                )
+            )
+    return problems

@@ -21,8 +21,17 @@ from django.db import connection, transaction
 from django.db.models import Count, F
 from django.utils import timezone
 
-from .models import BatchRun, CapacityPool, ItemClaim, ItemClaimQuerySet, ItemStatus, RunStatus
+from .models import (
+    BatchRun,
+    CapacityPool,
+    FailurePolicy,
+    ItemClaim,
+    ItemClaimQuerySet,
+    ItemStatus,
+    RunStatus,
+)
 from .pools import Headroom, headroom, refill
+from .record import fail_fast
 
 # Candidates looked at per admitted slot when items choose their pool: enough to see past
 # items of a full pool without locking a whole run's worth of rows.
@@ -174,6 +183,7 @@ def _claim(
 
         admitted: list[dict] = []
         failed_out: list[int] = []
+        lost_keys: list[str] = []
         pools: dict[str, CapacityPool] = {}
         rooms: dict[str, Headroom] = {}
         blocked: set[str] = set()
@@ -209,7 +219,9 @@ def _claim(
                 want if static_pool is not None or round_no == _ROUNDS - 1 else want * _LOOKAHEAD
             )
             found = _candidates(run_id, now, lookahead, blocked)
-            found = [c for c in found if c["pk"] not in {a["pk"] for a in admitted}]
+            # An item failed out in an earlier round is still "running" in the database.
+            seen = {a["pk"] for a in admitted} | set(failed_out)
+            found = [c for c in found if c["pk"] not in seen]
             if not found:
                 break
             new_pools = sorted({c["pool"] for c in found if c["pool"] and c["pool"] not in rooms})
@@ -222,6 +234,7 @@ def _claim(
                     break
                 if cand["status"] == ItemStatus.RUNNING and cand["crashes"] + 1 > crash_budget:
                     failed_out.append(cand["pk"])
+                    lost_keys.append(cand["key"])
                     continue
                 name = cand["pool"]
                 if name:
@@ -246,6 +259,10 @@ def _claim(
                 f"(crash budget {crash_budget})",
             )
             result.crashed_out = len(failed_out)
+            if run["failure_policy"] == FailurePolicy.FAIL_FAST:
+                # A lost item is a failed item: fail fast as record() does for handler failures.
+                admitted = []
+                fail_fast(run_id, lost_keys[0], now)
 
         if admitted:
             token = uuid.uuid4()

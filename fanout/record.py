@@ -66,6 +66,18 @@ def record(
     by_kind: dict[str, list[ExecutionOutcome]] = {}
     for outcome in outcomes:
         by_kind.setdefault(outcome.kind, []).append(outcome)
+    if (
+        failure_policy == FailurePolicy.FAIL_FAST
+        and RETRY in by_kind
+        and (
+            FAILED in by_kind
+            or ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED).exists()
+        )
+    ):
+        # The run has failed fast: a retry would be new work, so the item fails with its error.
+        for o in by_kind.pop(RETRY):
+            o.kind = FAILED
+            by_kind.setdefault(FAILED, []).append(o)
     # No savepoint: this often runs first in the claim transaction, and a savepoint costs a trip.
     with transaction.atomic(savepoint=False):
         if SUCCEEDED in by_kind:
@@ -167,7 +179,7 @@ def record(
                 ).update(backoff_until=until)
         if failed and failure_policy == FailurePolicy.FAIL_FAST:
             first = next(o.key for o in by_kind[FAILED])
-            cancel_pending(run_id, f"cancelled: the run fails fast and item {first!r} failed", now)
+            fail_fast(run_id, first, now)
     return Recorded(written, len(outcomes) - written, terminal, failed)
 
 
@@ -181,11 +193,22 @@ def _write(held: Any, rows: list[ItemClaim], fields: list[str]) -> int:
     return held.bulk_update(rows, fields)
 
 
-def cancel_pending(run_id: int, reason: str, now: datetime | None = None) -> int:
+FAILED_FAST = "FailedFast"  # error_class of items cancelled because a fail_fast run failed
+
+
+def cancel_pending(
+    run_id: int, reason: str, now: datetime | None = None, error_class: str = "Cancelled"
+) -> int:
     """Cancel the run's items nobody holds; running ones finish and are recorded."""
     return ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.PENDING).update(
         status=ItemStatus.CANCELLED,
         finished_at=now or timezone.now(),
         error=reason,
-        error_class="Cancelled",
+        error_class=error_class,
     )
+
+
+def fail_fast(run_id: int, key: str, now: datetime) -> int:
+    """The run failed fast because ``key`` failed: cancel what nobody has claimed yet."""
+    reason = f"cancelled: the run fails fast and item {key!r} failed"
+    return cancel_pending(run_id, reason, now, error_class=FAILED_FAST)

@@ -6,26 +6,30 @@ import uuid
 from collections.abc import Iterable
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from .claim import lock_run
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from .record import cancel_pending
+from .record import FAILED_FAST, cancel_pending
 
 
 def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int:
     """Put failed items (all of the run's, or the given ones) back to pending with fresh attempts.
 
-    One UPDATE whatever the count; only failed items are touched, so a completed item never runs
-    again and no live lease is disturbed. A finished run is reopened so its join runs again.
+    One UPDATE whatever the count; only failed items (and those a fail_fast run cancelled
+    unrun) are touched, so a completed item never runs again and no live lease is disturbed.
+    A finished run is reopened so its join runs again.
     """
     now = timezone.now()
     with transaction.atomic():
         # Lock the run so a join cannot decide between our reopening and our items changing.
         lock_run(run.pk)
-        qs = (items if items is not None else ItemClaim.objects.all()).filter(
-            run_id=run.pk, status=ItemStatus.FAILED
+        qs = (items if items is not None else ItemClaim.objects.all()).filter(run_id=run.pk)
+        # Items a fail_fast run cancelled when it failed go back with the failed ones: they
+        # never ran, and without them the run could never succeed.
+        qs = qs.filter(
+            Q(status=ItemStatus.FAILED) | Q(status=ItemStatus.CANCELLED, error_class=FAILED_FAST)
         )
         count = qs.update(
             status=ItemStatus.PENDING,
@@ -36,6 +40,8 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
             lease_expires_at=None,
             finished_at=None,
             owner="",
+            error="",
+            error_class="",
         )
         if count:
             BatchRun.objects.filter(pk=run.pk).exclude(status=RunStatus.PENDING).update(
