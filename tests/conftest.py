@@ -29,7 +29,7 @@ def database_url(django_db_setup: Any, django_db_blocker: Any) -> str:
 
 @pytest.fixture
 def children() -> Iterator[list[subprocess.Popen[str]]]:
-    """Children a test starts; any still alive at the end are killed before the tables are flushed."""
+    """Children a test starts; those still alive at the end are killed before the flush."""
     started: list[subprocess.Popen[str]] = []
     yield started
     for proc in started:
@@ -38,7 +38,9 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
             proc.communicate()
 
 
-def prepare(name: str, params: dict[str, Any] | None = None, run_key: str | None = None) -> BatchRun:
+def prepare(
+    name: str, params: dict[str, Any] | None = None, run_key: str | None = None
+) -> BatchRun:
     """Create a run of ``name`` and write its items, without running any of them."""
     from fanout.dispatch import prepare_run
 

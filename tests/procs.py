@@ -16,14 +16,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
+def wait_until[T](condition: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
     """Poll ``condition`` until it returns something truthy; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -101,7 +100,8 @@ def release_together(procs: Sequence[Any], ready: Sequence[Path], go: Path) -> N
     def all_ready() -> bool:
         for proc in procs:
             if proc.poll() is not None:
-                raise AssertionError(f"child {proc.args} exited before the barrier")
+                _, err = proc.communicate()
+                raise AssertionError(f"child {proc.args} exited before the barrier:\n{err}")
         return all(r.exists() for r in ready)
 
     wait_until(all_ready, 30, "every child to reach the barrier")
