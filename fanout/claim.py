@@ -126,8 +126,10 @@ def _candidates(run_id: int, now: datetime, limit: int, exclude_pools: set[str])
     mono = time.monotonic()
     looked = mono - _expired_checked.get(run_id, 0.0) >= EXPIRED_CHECK_SECONDS
     if looked:
-        _expired_checked[run_id] = mono
         take(ItemClaim.objects.expired(now))
+        # While expired leases turn up, the next claim looks again: a dead owner's items are
+        # reclaimed as fast as new ones are claimed, not two a second per process.
+        _expired_checked[run_id] = 0.0 if found else mono
     if len(found) < limit:
         take(ItemClaim.objects.pending_due(now))
     if len(found) < limit and not looked:
@@ -150,6 +152,10 @@ def claim(
     so that finishing one item and claiming the next cost one commit, not two.
     """
     with transaction.atomic():
+        if before is not None:
+            # Lock the run before recording: recording may lock a pool row (a Throttled
+            # backoff), and claimers lock the run before its pools; the other order deadlocks.
+            lock_run(run_id)
         done = before() if before is not None else None
         result = _claim(run_id, owner, limit, lease_seconds, crash_budget, static_pool)
         result.before = done
@@ -329,7 +335,15 @@ def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datet
     share = -(-pool.max_concurrency // len(contenders))
     mine = by_run.get(run_id, 0)
     if room.count <= 0:
-        if not pool.paused and mine < share and pool.max_concurrency > 0:
+        registered = (pool.waiters or {}).get(str(run_id), 0.0)
+        # Refresh the registration only when half of it is spent: a refused claim then writes
+        # the pool row at most once a second per run, not on every attempt.
+        if (
+            not pool.paused
+            and mine < share
+            and pool.max_concurrency > 0
+            and registered < stamp + WAITER_SECONDS / 2
+        ):
             pool.waiters = {str(r): u for r, u in (pool.waiters or {}).items() if u > stamp}
             pool.waiters[str(run_id)] = stamp + WAITER_SECONDS
         return room

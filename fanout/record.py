@@ -5,10 +5,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from django.db import transaction
-from django.db.models import F, Q
+from django.db import connections, transaction
+from django.db.models import F, Field, Q
 from django.utils import timezone
 
 from .models import CapacityPool, FailurePolicy, ItemClaim, ItemStatus
@@ -184,13 +184,68 @@ def record(
 
 
 def _write(held: Any, rows: list[ItemClaim], fields: list[str]) -> int:
-    """Update rows still held under the claim token, in one statement where values agree."""
+    """Update rows still held under the claim token, in one statement whatever the values."""
     first = rows[0]
-    if all(all(getattr(r, f) == getattr(first, f) for f in fields) for r in rows[1:]):
+    varying = [f for f in fields if any(getattr(r, f) != getattr(first, f) for r in rows[1:])]
+    if not varying:
         return held.filter(pk__in=[r.pk for r in rows]).update(
             **{f: getattr(first, f) for f in fields}
         )
+    connection = connections[held.db]
+    if connection.vendor == "postgresql":
+        return _write_values(held, rows, fields, varying)
+    # Elsewhere Django's CASE WHEN per row and field: slow to build, but portable.
     return held.bulk_update(rows, fields)
+
+
+def _write_values(held: Any, rows: list[ItemClaim], fields: list[str], varying: list[str]) -> int:
+    """One UPDATE ... FROM (VALUES ...): per-row values without Django's CASE WHEN per field.
+
+    bulk_update() builds and compiles a When() per row and field: at 200 outcomes per batch
+    that is about 1 ms of CPU per item, more than everything else a worker does.
+    """
+    connection = connections[held.db]
+    meta = ItemClaim._meta
+
+    def qn(field: Field) -> str:
+        return connection.ops.quote_name(str(field.column))
+
+    first = rows[0]
+    sets, params = [], []
+    for name in fields:
+        field = cast(Field, meta.get_field(name))
+        if name in varying:
+            sets.append(f"{qn(field)} = v.{qn(field)}")
+        else:
+            sets.append(f"{qn(field)} = %s")
+            params.append(field.get_db_prep_save(getattr(first, name), connection))
+    pk = cast(Field, meta.pk)
+    columns = [pk, *(cast(Field, meta.get_field(name)) for name in varying)]
+    row_sql = "(" + ", ".join(f"%s::{f.db_type(connection)}" for f in columns) + ")"
+    # The fence: only rows still held under the claim token (and running) are written.
+    where, where_params = held.query.get_compiler(held.db).compile(held.query.where)
+    table = connection.ops.quote_name(meta.db_table)
+    written = 0
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), _VALUES_PER_STATEMENT):
+            part = rows[start : start + _VALUES_PER_STATEMENT]
+            values = [
+                f.get_db_prep_save(getattr(row, f.attname), connection)
+                for row in part
+                for f in columns
+            ]
+            cursor.execute(
+                f"UPDATE {table} SET {', '.join(sets)} "
+                f"FROM (VALUES {', '.join([row_sql] * len(part))}) "
+                f"AS v({', '.join(qn(f) for f in columns)}) "
+                f"WHERE {table}.{qn(pk)} = v.{qn(pk)} AND {where}",
+                [*params, *values, *where_params],
+            )
+            written += cursor.rowcount
+    return written
+
+
+_VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
 
 
 FAILED_FAST = "FailedFast"  # error_class of items cancelled because a fail_fast run failed

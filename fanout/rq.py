@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from django.db import close_old_connections, connection, transaction
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from rq import SimpleWorker, get_current_job
 from rq.serializers import JSONSerializer
@@ -182,6 +183,9 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
         signal.signal(signal.SIGTERM, lambda signum, frame: _request_stop())
     thread = threading.Thread(target=target, name=f"fanout-drain-{run_id}-{slot}", daemon=True)
     checked = [0.0]
+    # A lost job's slot must free itself before its items' leases run out, so that idle
+    # workers are sent to reclaim them.
+    alive_ttl = max(1, min(ALIVE_TTL, int(definition.lease_seconds)))
     stopping_since: float | None = None
     _running.add(drain.stop)
     keeper.start()
@@ -189,7 +193,7 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            _heartbeat(job, key)
+            _heartbeat(job, key, alive_ttl)
             if stopping_since is None and _worker_stopping(job, checked):
                 drain.stop.set()  # claim nothing more; items not started are released
                 stopping_since = time.monotonic()
@@ -224,17 +228,17 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
 _last_beat: dict[str, float] = {}
 
 
-def _heartbeat(job: Any, key: str) -> None:
-    """Keep this job's slot key alive; a crashed job's slot frees itself within ALIVE_TTL."""
+def _heartbeat(job: Any, key: str, ttl: int = ALIVE_TTL) -> None:
+    """Keep this job's slot key alive; a crashed job's slot frees itself within ``ttl``."""
     now = time.monotonic()
-    if job is None or now - _last_beat.get(key, 0.0) < ALIVE_TTL / 4:
+    if job is None or now - _last_beat.get(key, 0.0) < ttl / 4:
         return
     _last_beat[key] = now
     try:
         conn = job.connection
-        if not conn.set(key, job.id, nx=True, ex=ALIVE_TTL):
+        if not conn.set(key, job.id, nx=True, ex=ttl):
             if conn.get(key) in (job.id, job.id.encode()):
-                conn.expire(key, ALIVE_TTL)
+                conn.expire(key, ttl)
     except RedisError:
         pass  # Redis is down: the rows still are the queue
 
@@ -259,5 +263,24 @@ class FanoutWorker(SimpleWorker):
         close_old_connections()
         try:
             return super().execute_job(job, queue)
+        except RedisConnectionError as exc:
+            # The drain ran; only RQ's record of it went down with Redis. The rows are the
+            # queue: wait for Redis and carry on, as RQ itself does while dequeuing.
+            logger.warning("Redis unreachable after job %s (%s); waiting for it", job.id, exc)
+            self._wait_for_redis()
+            return None
         finally:
             close_old_connections()
+
+    def _wait_for_redis(self) -> None:
+        pause = 0.5
+        while not self._stop_requested:
+            try:
+                self.connection.ping()
+            except RedisConnectionError:
+                time.sleep(pause)
+                pause = min(pause * 2, 10.0)
+                continue
+            if not self.connection.exists(self.key):
+                self.register_birth()  # Redis came back empty: be listed again
+            return

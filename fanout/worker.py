@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +35,47 @@ _wake = threading.Condition()
 def wake_all() -> None:
     with _wake:
         _wake.notify_all()
+
+
+def wake(count: int) -> None:
+    """Wake up to ``count`` idle workers of this process (none for 0)."""
+    if count > 0:
+        with _wake:
+            _gate.clear()
+            _wake.notify(count)
+
+
+# Per run: time.monotonic() before which idle workers of this process do not try to claim,
+# because one of them is trying now or was just refused for capacity (pool full, rate limit).
+# Every claimer of a run queues on the run's row lock, so N idle threads retrying at once
+# (all woken at the same retry time) make a convoy that delays the worker that has outcomes
+# to record; one idle thread per process tries at a time instead, and passes the turn on.
+_gate: dict[int, float] = {}
+
+
+def _gate_wait(run_id: int) -> bool:
+    """Wait while another idle worker of this process holds the run's turn; True if we waited."""
+    with _wake:
+        until = _gate.get(run_id, 0.0)
+        now = time.monotonic()
+        if until > now:
+            _wake.wait(min(until - now, conf.IDLE_MAX_SECONDS))
+            return True
+        _gate[run_id] = now + conf.IDLE_MAX_SECONDS  # our turn: others wait for our answer
+        return False
+
+
+def _gate_set(run_id: int, result: ClaimResult) -> None:
+    with _wake:
+        if result.items or not result.run_open:
+            # Capacity (or the end) was found: the next idle worker may look at once.
+            _gate.pop(run_id, None)
+            _wake.notify(1)
+            return
+        wait = conf.IDLE_MAX_SECONDS
+        if result.retry_at is not None:
+            wait = min(wait, max(0.0, (result.retry_at - timezone.now()).total_seconds()))
+        _gate[run_id] = time.monotonic() + wait
 
 
 def owner_name(suffix: str = "") -> str:
@@ -79,6 +121,10 @@ class Drain:
                         ),
                     )
                 return "stopped" if self.stop.is_set() else "time budget spent"
+            if carry is None and _gate_wait(self.run_id):
+                continue
+            # With DEBUG on, Django keeps every query's SQL; a long drain must not pile it up.
+            connection.queries_log.clear()
             result = self._db(
                 partial(
                     claim,
@@ -93,8 +139,10 @@ class Drain:
             )
             if result is None:
                 continue
+            if carry is None:
+                _gate_set(self.run_id, result)
             if carry is not None:
-                recorded = self._recorded(carry, result.before)
+                recorded = self._recorded(carry, result.before, result.items)
                 carry = None
                 if recorded.terminal and not result.items:
                     self._db(lambda: maybe_join(self.run_id, definition))
@@ -134,7 +182,10 @@ class Drain:
         return record(self.run_id, result.token, outcomes, result.failure_policy)
 
     def _recorded(
-        self, carry: tuple[ClaimResult, list[ExecutionOutcome]], recorded: Recorded | None
+        self,
+        carry: tuple[ClaimResult, list[ExecutionOutcome]],
+        recorded: Recorded | None,
+        reclaimed: list[Any] | None = None,
     ) -> Recorded:
         """Stop renewing the batch's leases and say what became of its outcomes."""
         result, outcomes = carry
@@ -153,7 +204,13 @@ class Drain:
                 self.run_id,
                 recorded.dropped,
             )
-        wake_all()  # capacity was freed: idle workers of this process may claim now
+        # Capacity was freed: idle workers of this process may claim now. When the outcomes rode
+        # in a claim that took as many slots of the same pools again, nothing was freed, and
+        # waking every idle worker would only queue them on the run's lock for nothing.
+        freed = Counter(o.pool for o in outcomes)
+        if reclaimed is not None:
+            freed.subtract(Counter(item.pool for item in reclaimed))
+        wake(sum(n for n in freed.values() if n > 0))
         return recorded
 
     def _idle(self, result: ClaimResult) -> None:

@@ -8,9 +8,11 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import InterfaceError, OperationalError, connection
 
 from fanout.definition import EXECUTORS, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
@@ -20,6 +22,8 @@ from fanout.models import BatchRun, ItemStatus, RunStatus
 from fanout.recover import release, retry_failed
 from fanout.report import final_report, snapshot
 from fanout.watch import Progress
+
+T = TypeVar("T")
 
 
 def positive_int(text: str) -> int:
@@ -205,7 +209,9 @@ class Command(BaseCommand):
         try:
             last_redispatch = time.monotonic()
             while True:
-                snap = snapshot(run)
+                snap = self._unless_db_down(lambda: snapshot(run))
+                if snap is None:
+                    continue
                 if progress is not None:
                     progress.show(snap)
                 if run.is_terminal and (handle is None or not handle.alive):
@@ -214,7 +220,8 @@ class Command(BaseCommand):
                     break
                 unfinished = snap.counts[ItemStatus.PENDING] + snap.counts[ItemStatus.RUNNING]
                 if unfinished == 0 and run.status in (RunStatus.RUNNING, RunStatus.JOINING):
-                    maybe_join(run.pk)  # the last worker may have died before joining
+                    # The last worker may have died before joining.
+                    self._unless_db_down(lambda: maybe_join(run.pk))
                 elif executor == "rq" and time.monotonic() - last_redispatch > 2.0:
                     # Redis may have lost the wake-ups: put back any that are gone (idempotent).
                     try:
@@ -236,6 +243,16 @@ class Command(BaseCommand):
             if progress is not None:
                 progress.show(snapshot(run), final=True)
         return interrupted
+
+    def _unless_db_down(self, op: Callable[[], T]) -> T | None:
+        """Run ``op``; if the database is restarting, say so, wait a moment, return None."""
+        try:
+            return op()
+        except (OperationalError, InterfaceError) as exc:
+            self.stderr.write(f"database unavailable ({exc}); the run lives on, retrying")
+            connection.close()
+            time.sleep(1.0)
+            return None
 
     def _print_report(self, report: dict[str, Any]) -> None:
         out = self.stdout
