@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from tests.procs import wait_until
@@ -64,6 +65,16 @@ def test_a_flush_of_redis_mid_run_is_healed_by_the_waiting_parent_and_every_item
     assert all(w.proc.poll() is None for w in workers)
 
 
+def other_sessions() -> int:
+    """Sessions on the test database other than this test's own."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0]
+
+
 def test_resume_finishes_a_run_after_redis_lost_everything_and_every_worker_died(
     processes: Any, redis: Any, tmp_path: Path
 ) -> None:
@@ -80,6 +91,9 @@ def test_resume_finishes_a_run_after_redis_lost_everything_and_every_worker_died
         worker.signal(signal.SIGKILL)
     for worker in first:
         worker.wait(timeout=10)
+    # A COMMIT the workers sent just before they died still completes on the server: wait for
+    # their sessions to end before reading what they left.
+    wait_until(lambda: not other_sessions(), 10, "the dead workers' sessions to end")
     redis.flushdb()
     # Items claimed when their worker died, outcome not committed: they alone may run again.
     in_flight = set(
