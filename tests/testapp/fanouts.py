@@ -32,7 +32,8 @@ from django.db import connection
 from fanout import FanOut, Item, Outcome, PermanentError
 from fanout.models import ItemClaim, ItemStatus
 
-from .models import Execution, Observation, Widget
+from .ledger import executing
+from .models import Observation, Widget
 
 
 def numbered(params: dict[str, Any]) -> range:
@@ -67,20 +68,11 @@ def work(item: Item) -> Any:
         i = item.payload["i"]
         return {"i": i, "square": i * i}
     in_atomic = connection.in_atomic_block
-    first = not Execution.objects.filter(run_id=item.run_id, key=item.key).exists()
-    row = Execution.objects.create(
-        run_id=item.run_id,
-        key=item.key,
-        attempt=item.attempt,
-        pool=item.pool,
-        worker=f"{os.getpid()}:{threading.current_thread().name}",
-        started=time.time(),
-    )
     if p.get("probe"):
         Observation.objects.create(
             run_id=item.run_id, key=item.key, name="in_atomic_block", value=in_atomic
         )
-    try:
+    with executing(item) as first:
         if p.get("sleep"):
             time.sleep(float(p["sleep"]))
         if item.key == p.get("block_first") and first:
@@ -105,8 +97,6 @@ def work(item: Item) -> Any:
             return {item.key, "a set is not JSON"}
         i = item.payload["i"]
         return {"i": i, "square": i * i}
-    finally:
-        Execution.objects.filter(pk=row.pk).update(ended=time.time())
 
 
 def summarize(outcomes: Iterable[Outcome]) -> dict[str, Any]:

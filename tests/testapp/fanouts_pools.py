@@ -14,15 +14,13 @@ Params understood by ``pool_work`` (all optional):
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from fanout import FanOut, Item, Throttled
 
-from .models import Execution
+from .ledger import executing
 
 # Nothing is re-exported: ``from .fanouts_pools import *`` only registers the definitions.
 __all__: list[str] = []
@@ -45,16 +43,7 @@ def item_key(i: int) -> str:
 
 def pool_work(item: Item) -> Any:
     p = item.params
-    first = not Execution.objects.filter(run_id=item.run_id, key=item.key).exists()
-    row = Execution.objects.create(
-        run_id=item.run_id,
-        key=item.key,
-        attempt=item.attempt,
-        pool=item.pool,
-        worker=f"{os.getpid()}:{threading.current_thread().name}",
-        started=time.time(),
-    )
-    try:
+    with executing(item) as first:
         if p.get("sleep"):
             time.sleep(float(p["sleep"]))
         if p.get("block_file") and first:
@@ -66,8 +55,6 @@ def pool_work(item: Item) -> Any:
         if retry_after is not None and first:
             raise Throttled(retry_after=float(retry_after))
         return item.key
-    finally:
-        Execution.objects.filter(pk=row.pk).update(ended=time.time())
 
 
 def accounts(params: dict[str, Any]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fanout import FanOut, Item, Outcome
 
-from .models import Execution
+from .ledger import executing
 
 __all__: list[str] = []  # nothing to import: constructing the definitions registers them
 
@@ -38,16 +38,7 @@ def numbered(params: dict[str, Any]) -> range:
 
 def ledger(item: Item) -> dict[str, int]:
     p = item.params
-    first = not Execution.objects.filter(run_id=item.run_id, key=item.key).exists()
-    row = Execution.objects.create(
-        run_id=item.run_id,
-        key=item.key,
-        attempt=item.attempt,
-        pool=item.pool,
-        worker=str(os.getpid()),
-        started=time.time(),
-    )
-    try:
+    with executing(item, worker=str(os.getpid())) as first:
         if first and item.key == p.get("block_key"):
             release = Path(p["block_file"])
             deadline = time.monotonic() + BLOCK_LIMIT
@@ -56,8 +47,6 @@ def ledger(item: Item) -> dict[str, int]:
         elif p.get("delay"):
             time.sleep(float(p["delay"]))
         return {"i": item.payload, "pid": os.getpid()}
-    finally:
-        Execution.objects.filter(pk=row.pk).update(ended=time.time())
 
 
 def noop(item: Item) -> int:
