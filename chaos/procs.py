@@ -143,7 +143,19 @@ def spawn(
     if barrier is None:
         command = [PYTHON, "manage.py", *args]
     else:
-        command = [PYTHON, "-m", "chaos.child", str(barrier[0]), str(barrier[1]), "--", *args]
+        # The test suite's barrier child: set Django up, touch READY, wait for GO, run manage.py.
+        command = [
+            PYTHON,
+            "-m",
+            "tests.procs",
+            "manage",
+            "--ready",
+            str(barrier[0]),
+            "--go",
+            str(barrier[1]),
+            "--",
+            *args,
+        ]
     out, err = logs / f"{name}.out", logs / f"{name}.err"
     with open(out, "wb") as o, open(err, "wb") as e:
         popen = subprocess.Popen(
