@@ -1,10 +1,12 @@
-"""Claim: take ownership of admissible items in one short transaction.
+"""Claim: take new slots for admissible items in one short transaction.
 
-The transaction locks the run row (serialising claimers of one run, so max_parallel is
-decided from an exact count of live leases), then each pool row it admits into (blocking,
-in name order, so pools' concurrency and token buckets are decided under their lock), then
-the items themselves with SKIP LOCKED. Handlers run after it commits: it must stay short,
-because every claimer of the same run and pool waits on it.
+This is the path of a worker that holds no slot (it starts, or its last item handed over
+nothing). It locks the run's row, whose ``in_flight`` counter decides ``max_parallel``, then each
+pool row it admits into (blocking, in name order: concurrency and token buckets are decided
+from the locked rows), then the items with SKIP LOCKED. Handlers run after it commits: it must
+stay short, because claimers taking new slots of the same run wait on it. A worker that
+finishes an item does not come here: it hands its slot to the next item in one statement
+(``transitions.hand_over``), touching neither row.
 """
 
 from __future__ import annotations
@@ -14,39 +16,24 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Count, F
-from django.utils import timezone
 
-from .models import (
-    BatchRun,
-    CapacityPool,
-    FailurePolicy,
-    ItemClaim,
-    ItemClaimQuerySet,
-    ItemStatus,
-    RunStatus,
-)
+from . import transitions
+from .clock import db_now
+from .models import BatchRun, CapacityPool, FailurePolicy, ItemClaim, ItemStatus, RunStatus
 from .pools import Headroom, headroom, refill
-from .record import fail_fast
+from .transitions import ClaimedItem
+
+__all__ = ["ClaimResult", "ClaimedItem", "claim", "lock_run"]
 
 # Candidates looked at per admitted slot when items choose their pool: enough to see past
 # items of a full pool without locking a whole run's worth of rows.
 _LOOKAHEAD = 4
 _ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class ClaimedItem:
-    pk: int
-    key: str
-    index: int
-    payload: Any
-    pool: str
-    attempt: int
 
 
 @dataclass
@@ -55,11 +42,15 @@ class ClaimResult:
     items: list[ClaimedItem] = field(default_factory=list)
     run_status: str = RunStatus.RUNNING
     failure_policy: str = "collect"
-    # Why nothing more was claimed, and the earliest time worth trying again.
+    # Why nothing more was claimed, and when it is worth trying again: the database's time,
+    # and the seconds until then (what a worker waits: hosts' clocks may disagree).
     reason: str = ""
     retry_at: datetime | None = None
+    retry_in: float | None = None
     # Items failed because their owners kept dying (crash budget spent).
     crashed_out: int = 0
+    # Pools that refused for want of a free slot.
+    full: list[str] = field(default_factory=list)
     # What the ``before`` step returned.
     before: Any = None
 
@@ -68,73 +59,18 @@ class ClaimResult:
         return self.run_status == RunStatus.RUNNING
 
 
+_RUN_FIELDS = ("status", "max_parallel", "failure_policy", "in_flight")
+
+
 def lock_run(run_id: int) -> dict[str, Any] | None:
     """Lock the run's row for this transaction (on every backend) and read what claims need."""
     runs = BatchRun.objects.filter(pk=run_id)
-    fields = ("status", "max_parallel", "failure_policy")
     if connection.features.has_select_for_update:
-        return dict(runs.select_for_update().values(*fields).first() or {}) or None
+        return dict(runs.select_for_update().values(*_RUN_FIELDS).first() or {}) or None
     # SQLite has no row locks: writing first takes the database's write lock for the whole
     # transaction, which serialises claimers as FOR UPDATE would (and never upgrades a read lock).
     runs.update(status=F("status"))
-    return dict(runs.values(*fields).first() or {}) or None
-
-
-def _lock_pools(names: list[str], skip_locked: bool = False) -> dict[str, CapacityPool]:
-    rows = CapacityPool.objects.filter(name__in=names).order_by("name")
-    return {p.name: p for p in rows.select_for_update(skip_locked=skip_locked)}
-
-
-def _pool_in_flight(names: list[str], now: datetime) -> dict[str, Counter[int]]:
-    """Live leases per pool, per run: the pools' concurrency and each run's fair share."""
-    rows = (
-        ItemClaim.objects.in_flight(now)
-        .filter(pool__in=names)
-        .values("pool", "run_id")
-        .annotate(n=Count("pk"))
-        .values_list("pool", "run_id", "n")
-    )
-    by_pool: dict[str, Counter[int]] = {name: Counter() for name in names}
-    for pool, run, n in rows:
-        by_pool[pool][run] = n
-    return by_pool
-
-
-# When this process last looked for a run's expired leases (time.monotonic()).
-_expired_checked: dict[int, float] = {}
-EXPIRED_CHECK_SECONDS = 0.5
-
-
-def _candidates(run_id: int, now: datetime, limit: int, exclude_pools: set[str]) -> list[dict]:
-    fields = ("pk", "key", "index", "payload", "pool", "attempt", "crashes", "status")
-    found: list[dict] = []
-
-    def take(qs: ItemClaimQuerySet) -> None:
-        qs = qs.filter(run_id=run_id)
-        if exclude_pools:
-            qs = qs.exclude(pool__in=exclude_pools)
-        if found:
-            qs = qs.exclude(pk__in=[c["pk"] for c in found])
-        found.extend(
-            qs.order_by("index")
-            .select_for_update(skip_locked=True)
-            .values(*fields)[: limit - len(found)]
-        )
-
-    # Expired leases first: their owners died, and they are the oldest work. Looking costs a
-    # query, so a process looks at most twice a second per run, and whenever pending ones run out.
-    mono = time.monotonic()
-    looked = mono - _expired_checked.get(run_id, 0.0) >= EXPIRED_CHECK_SECONDS
-    if looked:
-        take(ItemClaim.objects.expired(now))
-        # While expired leases turn up, the next claim looks again: a dead owner's items are
-        # reclaimed as fast as new ones are claimed, not two a second per process.
-        _expired_checked[run_id] = 0.0 if found else mono
-    if len(found) < limit:
-        take(ItemClaim.objects.pending_due(now))
-    if len(found) < limit and not looked:
-        take(ItemClaim.objects.expired(now))
-    return found
+    return dict(runs.values(*_RUN_FIELDS).first() or {}) or None
 
 
 def claim(
@@ -149,17 +85,16 @@ def claim(
     """Claim up to ``limit`` items of the run for ``owner``; say why when fewer are claimed.
 
     ``before`` runs first in the same transaction: a worker records its last outcomes there,
-    so that finishing one item and claiming the next cost one commit, not two.
+    so that finishing items and claiming the next cost one commit, not two.
     """
-    with transaction.atomic():
-        if before is not None:
-            # Lock the run before recording: recording may lock a pool row (a Throttled
-            # backoff), and claimers lock the run before its pools; the other order deadlocks.
-            lock_run(run_id)
-        done = before() if before is not None else None
-        result = _claim(run_id, owner, limit, lease_seconds, crash_budget, static_pool)
-        result.before = done
-        return result
+    args = (run_id, owner, limit, lease_seconds, crash_budget, static_pool)
+    result = _claim(*args, before=before)
+    if result.full and not result.items and before is None:
+        # A pool full of leases whose owners died (perhaps another run's, which no worker of
+        # ours may reclaim): give those slots back, then try once more.
+        if transitions.release_expired(ItemClaim.objects.filter(pool__in=result.full)):
+            result = _claim(*args)
+    return result
 
 
 def _claim(
@@ -169,152 +104,246 @@ def _claim(
     lease_seconds: float,
     crash_budget: int,
     static_pool: str | None,
+    before: Callable[[], Any] | None = None,
 ) -> ClaimResult:
-    if True:  # the caller holds the transaction
+    with transaction.atomic():
+        done = before() if before is not None else None
         run = lock_run(run_id)
         if run is None:
-            return ClaimResult(None, run_status="deleted", reason="run deleted")
-        result = ClaimResult(None, run_status=run["status"], failure_policy=run["failure_policy"])
-        if run["status"] != RunStatus.RUNNING:
-            result.reason = f"run {run['status']}"
-            return result
-        # Read the clock after the lock: time spent waiting for it must not age the decision.
-        now = timezone.now()
-        in_flight = ItemClaim.objects.in_flight(now).filter(run_id=run_id).count()
-        room = run["max_parallel"] - in_flight
-        if room <= 0:
-            result.reason = f"run at max_parallel ({in_flight}/{run['max_parallel']})"
-            return result
-        limit = min(limit, room)
+            result = ClaimResult(None, run_status="deleted", reason="run deleted")
+        elif run["status"] != RunStatus.RUNNING:
+            result = ClaimResult(None, run_status=run["status"], reason=f"run {run['status']}")
+            result.failure_policy = run["failure_policy"]
+        else:
+            taking = _Claim(
+                run_id, run, owner, lease_seconds, crash_budget, static_pool, before is not None
+            )
+            result = taking.take(limit)
+        result.before = done
+        return result
 
-        admitted: list[dict] = []
-        failed_out: list[int] = []
-        lost_keys: list[str] = []
-        pools: dict[str, CapacityPool] = {}
-        rooms: dict[str, Headroom] = {}
-        blocked: set[str] = set()
 
-        def open_pools(names: list[str], skip_locked: bool) -> None:
-            nonlocal now
-            locked = _lock_pools(names, skip_locked)
-            # Waiting for a pool's lock (another run's claim) must not age the decision either;
-            # the clock only moves forward, so what was decided before stays conservative.
-            now = max(now, timezone.now())
-            counts = _pool_in_flight(list(locked), now)
-            for name in names:
-                pool = locked.get(name)
-                if pool is None:
-                    # Missing (deleted) or, in a later round, locked by another claimer.
-                    rooms[name] = Headroom(0, f"pool {name} unavailable")
-                else:
-                    refill(pool, now)
-                    pools[name] = pool
-                    rooms[name] = fair_share(pool, counts[name], run_id, now)
-                if rooms[name].count <= 0:
-                    blocked.add(name)
+# When this process last looked for a run's expired leases (time.monotonic()).
+_expired_checked: dict[int, float] = {}
+EXPIRED_CHECK_SECONDS = 0.5
+_FIELDS = ("pk", "key", "index", "payload", "pool", "attempt", "crashes", "status")
 
-        if static_pool:
+
+class _Claim:
+    """One claim transaction's state: the run's room, the pools' headroom, what was admitted."""
+
+    def __init__(
+        self,
+        run_id: int,
+        run: dict[str, Any],
+        owner: str,
+        lease_seconds: float,
+        crash_budget: int,
+        static_pool: str | None,
+        recorded: bool = False,
+    ) -> None:
+        self.run_id = run_id
+        # Outcomes recorded first in this transaction hold pool locks out of name order, so
+        # this claim must not wait for any other pool's lock: it skips locked pools instead.
+        self.recorded = recorded
+        self.run = run
+        self.owner = owner
+        self.lease_seconds = lease_seconds
+        self.crash_budget = crash_budget
+        self.static_pool = static_pool
+        # Read after the run's lock: time spent waiting for it must not age the decision.
+        self.now = db_now()
+        self.room = run["max_parallel"] - run["in_flight"]  # new slots the run allows
+        self.pools: dict[str, CapacityPool] = {}
+        self.waiters_read: dict[str, dict] = {}
+        self.rooms: dict[str, Headroom] = {}
+        self.blocked: set[str] = set()
+        self.fresh: list[dict] = []  # pending items taking new slots
+        self.reclaimed: list[dict] = []  # expired items keeping their slots
+        self.lost: list[dict] = []  # expired items whose crash budget is spent
+
+    def take(self, limit: int) -> ClaimResult:
+        result = ClaimResult(None, failure_policy=self.run["failure_policy"])
+        if self.static_pool:
             # Pools are locked before items so that admission is decided on one consistent view.
-            open_pools([static_pool], skip_locked=False)
-            limit = min(limit, rooms[static_pool].count)
+            self._open_pools([self.static_pool], skip_locked=self.recorded)
         for round_no in range(_ROUNDS):
-            want = limit - len(admitted)
+            want = limit - len(self.fresh) - len(self.reclaimed)
             if want <= 0:
                 break
-            lookahead = (
-                want if static_pool is not None or round_no == _ROUNDS - 1 else want * _LOOKAHEAD
-            )
-            found = _candidates(run_id, now, lookahead, blocked)
-            # An item failed out in an earlier round is still "running" in the database.
-            seen = {a["pk"] for a in admitted} | set(failed_out)
-            found = [c for c in found if c["pk"] not in seen]
+            per_pool = self.static_pool is not None or round_no == _ROUNDS - 1
+            found = self._candidates(want if per_pool else want * _LOOKAHEAD)
             if not found:
                 break
-            new_pools = sorted({c["pool"] for c in found if c["pool"] and c["pool"] not in rooms})
+            new_pools = sorted({c["pool"] for c in found if c["pool"]} - set(self.rooms))
             if new_pools:
                 # Only the first round may wait for pool locks: it takes them in name order,
                 # and later rounds skip locked pools: no two claimers wait on each other.
-                open_pools(new_pools, skip_locked=round_no > 0)
+                self._open_pools(new_pools, skip_locked=self.recorded or round_no > 0)
             for cand in found:
-                if len(admitted) >= limit:
+                if len(self.fresh) + len(self.reclaimed) >= limit:
                     break
-                if cand["status"] == ItemStatus.RUNNING and cand["crashes"] + 1 > crash_budget:
-                    failed_out.append(cand["pk"])
-                    lost_keys.append(cand["key"])
-                    continue
-                name = cand["pool"]
-                if name:
-                    if rooms[name].count <= 0:
-                        continue
-                    rooms[name].count -= 1
-                    if pools[name].tokens is not None:
-                        pools[name].tokens = (pools[name].tokens or 0.0) - 1
-                admitted.append(cand)
-            if static_pool is not None or not found:
+                self._admit(cand)
+            if self.static_pool is not None:
                 break
+        self._apply(result)
+        self._explain(result, limit)
+        return result
 
-        if failed_out:
-            ItemClaim.objects.filter(pk__in=failed_out).update(
-                status=ItemStatus.FAILED,
-                claim_token=None,
-                lease_expires_at=None,
-                crashes=F("crashes") + 1,
-                finished_at=now,
-                error_class="WorkerLost",
-                error=f"the worker running this item died {crash_budget + 1} times "
-                f"(crash budget {crash_budget})",
+    def _candidates(self, limit: int) -> list[dict]:
+        seen = {c["pk"] for c in (*self.fresh, *self.reclaimed, *self.lost)}
+        found: list[dict] = []
+
+        def look(qs: Any) -> None:
+            qs = qs.filter(run_id=self.run_id)
+            if self.blocked:
+                qs = qs.exclude(pool__in=self.blocked)
+            skip = seen | {c["pk"] for c in found}
+            if skip:
+                qs = qs.exclude(pk__in=skip)
+            found.extend(
+                qs.order_by("index")
+                .select_for_update(skip_locked=True)
+                .values(*_FIELDS)[: limit - len(found)]
             )
-            result.crashed_out = len(failed_out)
-            if run["failure_policy"] == FailurePolicy.FAIL_FAST:
+
+        # Expired leases first: their owners died, and they are the oldest work. Looking costs a
+        # query, so a process looks at most twice a second per run, and whenever pending ones
+        # run out or the run has no room for new slots (expired items keep theirs).
+        mono = time.monotonic()
+        looked = mono - _expired_checked.get(self.run_id, 0.0) >= EXPIRED_CHECK_SECONDS
+        if looked:
+            look(ItemClaim.objects.expired(self.now))
+            # While expired leases turn up, the next claim looks again: a dead owner's items are
+            # reclaimed as fast as new ones are claimed, not two a second per process.
+            _expired_checked[self.run_id] = 0.0 if found else mono
+        room = self.room - len(self.fresh)
+        if len(found) < limit and room > 0:
+            pending = ItemClaim.objects.pending_due(self.now)
+            before = len(found)
+            look(pending)
+            # No more new slots than the run has room for.
+            del found[before + room :]
+        if len(found) < limit and not looked:
+            look(ItemClaim.objects.expired(self.now))
+        return found
+
+    def _open_pools(self, names: list[str], skip_locked: bool) -> None:
+        rows = CapacityPool.objects.filter(name__in=names).order_by("name")
+        locked = {p.name: p for p in rows.select_for_update(skip_locked=skip_locked)}
+        if not skip_locked and locked:
+            # Waiting for a pool's lock (another run's claim) must not age the decision either;
+            # the clock only moves forward, so what was decided before stays conservative.
+            self.now = max(self.now, db_now())
+        by_run = _pool_runs(list(locked))
+        for name in names:
+            pool = locked.get(name)
+            if pool is None:
+                # Missing (deleted) or, in a later round, locked by another claimer.
+                self.rooms[name] = Headroom(0, f"pool {name} unavailable")
+            else:
+                refill(pool, self.now)
+                self.pools[name] = pool
+                self.waiters_read[name] = dict(pool.waiters or {})
+                self.rooms[name] = fair_share(pool, by_run[name], self.run_id, self.now)
+            if self.rooms[name].count <= 0:
+                self.blocked.add(name)
+
+    def _admit(self, cand: dict) -> None:
+        expired = cand["status"] == ItemStatus.RUNNING
+        # An expired item's owner died now; a pending one may have been given back by a reaper.
+        if cand["crashes"] + expired > self.crash_budget:
+            self.lost.append(cand)
+            return
+        name = cand["pool"]
+        pool = self.pools.get(name)
+        if expired:
+            # It keeps its slot: only the rate limit (a new call to the provider) applies.
+            if pool is not None and pool.tokens is not None:
+                if pool.tokens < 1 - 1e-9:
+                    return
+                pool.tokens -= 1
+            elif name and pool is None:
+                return
+            self.reclaimed.append(cand)
+            return
+        if len(self.fresh) >= self.room:
+            return
+        if name:
+            if self.rooms[name].count <= 0:
+                return
+            self.rooms[name].count -= 1
+            if pool is not None and pool.tokens is not None:
+                pool.tokens -= 1
+        self.fresh.append(cand)
+
+    def _apply(self, result: ClaimResult) -> None:
+        if self.lost:
+            transitions.fail_lost(self.run_id, self.lost, self.crash_budget)
+            result.crashed_out = len(self.lost)
+            if self.run["failure_policy"] == FailurePolicy.FAIL_FAST:
                 # A lost item is a failed item: fail fast as record() does for handler failures.
-                admitted = []
-                fail_fast(run_id, lost_keys[0], now)
+                from .record import fail_fast
 
+                self.fresh, self.reclaimed = [], []
+                fail_fast(self.run_id, self.lost[0]["key"])
+        admitted = self.reclaimed + self.fresh
         if admitted:
-            token = uuid.uuid4()
-            result.token = token
-            lease = now + timedelta(seconds=lease_seconds)
-            values = dict(
-                status=ItemStatus.RUNNING,
-                owner=owner[:200],
-                claim_token=token,
-                lease_expires_at=lease,
-                claimed_at=now,
-                started_at=now,
-                finished_at=None,
-            )
-            reclaimed = [c["pk"] for c in admitted if c["status"] == ItemStatus.RUNNING]
-            fresh = [c["pk"] for c in admitted if c["status"] != ItemStatus.RUNNING]
-            if reclaimed:
-                # The previous owner's lease ran out while it held the item: that is a crash.
-                ItemClaim.objects.filter(pk__in=reclaimed).update(
-                    crashes=F("crashes") + 1, **values
-                )
-            if fresh:
-                ItemClaim.objects.filter(pk__in=fresh).update(**values)
-        for name, pool in pools.items():
+            result.token = uuid.uuid4()
+            args = (self.owner, result.token, self.lease_seconds, self.now)
+            transitions.reclaim(self.reclaimed, *args)
+            transitions.start(self.run_id, self.fresh, *args)
+        for name, pool in self.pools.items():
             changed: dict[str, Any] = {}
             if pool.tokens is not None and any(c["pool"] == name for c in admitted):
                 changed.update(tokens=pool.tokens, tokens_at=pool.tokens_at)
-            if pool.waiters != pool._waiters_loaded:  # type: ignore[attr-defined]
+            if pool.waiters != self.waiters_read[name]:
                 changed["waiters"] = pool.waiters
             if changed:
                 CapacityPool.objects.filter(pk=pool.pk).update(**changed)
+        admitted.sort(key=lambda c: c["index"])
         result.items = [
-            ClaimedItem(c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"])
+            ClaimedItem(
+                c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"], self.now
+            )
             for c in admitted
         ]
 
-        if len(admitted) < limit or not admitted:
-            reasons = [rooms[n] for n in sorted(blocked)]
-            if reasons:
-                result.reason = "; ".join(f"{n}: {rooms[n].reason}" for n in sorted(blocked))
-                times = [r.until for r in reasons if r.until]
-                result.retry_at = min(times) if times else None
-            elif not admitted:
-                result.reason = "nothing claimable"
-                result.retry_at = _next_due(run_id, now)
-        return result
+    def _explain(self, result: ClaimResult, limit: int) -> None:
+        if len(result.items) >= limit and result.items:
+            return
+        result.full = [n for n in sorted(self.blocked) if self.rooms[n].full]
+        if self.blocked:
+            reasons = [self.rooms[n] for n in sorted(self.blocked)]
+            result.reason = "; ".join(f"{n}: {self.rooms[n].reason}" for n in sorted(self.blocked))
+            times = [r.until for r in reasons if r.until]
+            result.retry_at = min(times) if times else None
+        elif self.room <= 0 and not result.items:
+            used, limit_ = self.run["in_flight"], self.run["max_parallel"]
+            result.reason = f"run at max_parallel ({used}/{limit_})"
+        elif not result.items:
+            result.reason = "nothing claimable"
+            result.retry_at = _next_due(self.run_id, self.now)
+        if result.retry_at is not None:
+            result.retry_in = max(0.0, (result.retry_at - self.now).total_seconds())
+
+
+def _pool_runs(names: list[str]) -> dict[str, Counter[int]]:
+    """Items holding slots per pool, per run: each run's fair share of a pool.
+
+    A new statement after the pools' locks are held, so it sees what committed meanwhile.
+    """
+    rows = (
+        ItemClaim.objects.running()
+        .filter(pool__in=names)
+        .values("pool", "run_id")
+        .annotate(n=Count("pk"))
+        .values_list("pool", "run_id", "n")
+    )
+    by_pool: dict[str, Counter[int]] = {name: Counter() for name in names}
+    for pool, run, n in rows:
+        by_pool[pool][run] = n
+    return by_pool
 
 
 WAITER_SECONDS = 2.0  # how long a refused run counts as waiting for a pool
@@ -325,12 +354,14 @@ def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datet
 
     A run refused by a full pool registers as a waiter on the pool row (under its lock); while
     any other run waits, a run may only grow up to ceil(max_concurrency / contending runs),
-    so the slots its finished items free go to the waiting runs instead.
+    so the slots its finished items free go to the waiting runs instead (a finished item
+    does not hand its slot over while any run waits on the pool).
     """
     stamp = now.timestamp()
-    pool._waiters_loaded = dict(pool.waiters or {})  # type: ignore[attr-defined]
     waiters = {int(r) for r, until in (pool.waiters or {}).items() if until > stamp}
-    room = headroom(pool, sum(by_run.values()), now)
+    if pool.waiters and not waiters:
+        pool.waiters = {}  # stale entries only: clear them, so hand-overs resume
+    room = headroom(pool, pool.in_flight, now)
     contenders = set(by_run) | waiters | {run_id}
     share = -(-pool.max_concurrency // len(contenders))
     mine = by_run.get(run_id, 0)

@@ -23,6 +23,8 @@ DEFAULTS: dict[str, Any] = {
     # Default django-rq queue of drain jobs and the seconds one drain job runs before yielding.
     "QUEUE": "fanout",
     "DRAIN_SECONDS": 60.0,
+    # Items one RQ drain job (one worker process) runs at once, each on its own thread.
+    "WORKER_THREADS": 8,
     # Seconds a stopping worker lets its items finish before releasing them.
     "STOP_GRACE_SECONDS": 10.0,
     # Longest pause of an idle worker between claim attempts.
@@ -47,6 +49,7 @@ class Settings:
     POOLS: dict[str, dict[str, Any]]
     QUEUE: str
     DRAIN_SECONDS: float
+    WORKER_THREADS: int
     STOP_GRACE_SECONDS: float
     IDLE_MAX_SECONDS: float
 

@@ -7,11 +7,10 @@ import logging
 import traceback
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 
 from django.db.models import Count, Q
-from django.utils import timezone
 
+from .clock import DbNow, db_now_plus
 from .definition import FanOut, Outcome, get_definition
 from .errors import DefinitionNotFound
 from .lease import keep_alive
@@ -61,15 +60,14 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
     """
     if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
         return False
-    now = timezone.now()
     token = uuid.uuid4()
     won = (
         BatchRun.objects.filter(pk=run_id, status__in=(RunStatus.RUNNING, RunStatus.JOINING))
-        .filter(Q(join_token__isnull=True) | Q(join_lease_expires_at__lte=now))
+        .filter(Q(join_token__isnull=True) | Q(join_lease_expires_at__lte=DbNow()))
         .update(
             status=RunStatus.JOINING,
             join_token=token,
-            join_lease_expires_at=now + timedelta(seconds=_JOIN_LEASE_SECONDS),
+            join_lease_expires_at=db_now_plus(_JOIN_LEASE_SECONDS),
         )
     )
     if not won:
@@ -93,7 +91,7 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
 
         def renew() -> None:
             BatchRun.objects.filter(pk=run_id, join_token=token).update(
-                join_lease_expires_at=timezone.now() + timedelta(seconds=_JOIN_LEASE_SECONDS)
+                join_lease_expires_at=db_now_plus(_JOIN_LEASE_SECONDS)
             )
 
         try:
@@ -113,7 +111,7 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         status=status,
         join_result=result,
         error=error,
-        finished_at=timezone.now(),
+        finished_at=DbNow(),
         join_token=None,
         join_lease_expires_at=None,
     )

@@ -7,13 +7,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
 
 from django.db import close_old_connections, connection
-from django.utils import timezone
 
-from .models import ItemClaim, ItemStatus
+from .clock import db_now_plus
+from .models import ItemClaim
 
 logger = logging.getLogger("fanout")
 
@@ -44,41 +43,63 @@ def keep_alive(renew: Callable[[], None], interval: float) -> Iterator[None]:
 
 
 class LeaseKeeper:
-    """Renews the leases of every claim this process holds, one UPDATE per round.
+    """Renews the leases of every item this process holds, one UPDATE per round.
 
-    A claim whose handler has run past the definition's timeout is no longer renewed: its
-    lease then runs out and another worker reclaims it, as if this one had died.
+    Leases are per item. An item whose handler has run past the definition's timeout is no
+    longer renewed: its lease runs out and another worker reclaims it, as if this one had
+    died, while the items claimed with it keep theirs. An item whose handler has finished is
+    renewed until its outcome is recorded, so finished work is never reclaimed. A renewal
+    extends only a lease that is still live, by the database's clock: a renewer that stalled
+    past its lease cannot bring back a slot that was already given away.
     """
 
     def __init__(self, lease_seconds: float) -> None:
         self.lease_seconds = lease_seconds
         self.interval = max(0.05, lease_seconds / 3)
-        self._held: dict[uuid.UUID, float] = {}  # token -> monotonic deadline (inf: none)
+        # pk -> (claim token, time.monotonic() deadline of its handler; inf: none or finished)
+        self._held: dict[int, tuple[uuid.UUID, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def hold(self, token: uuid.UUID, timeout: float | None) -> None:
+    def hold(self, token: uuid.UUID, pks: Iterable[int]) -> None:
+        """Renew these items (claimed under ``token``) until they are dropped."""
         with self._lock:
-            self._held[token] = time.monotonic() + timeout if timeout else float("inf")
+            for pk in pks:
+                self._held[pk] = (token, float("inf"))
 
-    def drop(self, token: uuid.UUID) -> None:
+    def started(self, pk: int, timeout: float | None) -> None:
+        """The item's handler starts now: renew it for at most ``timeout`` seconds."""
         with self._lock:
-            self._held.pop(token, None)
+            if pk in self._held and timeout:
+                self._held[pk] = (self._held[pk][0], time.monotonic() + timeout)
 
-    def held(self) -> list[uuid.UUID]:
+    def finished(self, pk: int) -> None:
+        """The handler returned: keep the lease until the outcome is recorded."""
         with self._lock:
-            return list(self._held)
+            if pk in self._held:
+                self._held[pk] = (self._held[pk][0], float("inf"))
+
+    def drop(self, pks: Iterable[int]) -> None:
+        with self._lock:
+            for pk in pks:
+                self._held.pop(pk, None)
+
+    def held(self) -> dict[int, uuid.UUID]:
+        """Every item held: pk -> claim token."""
+        with self._lock:
+            return {pk: token for pk, (token, _) in self._held.items()}
 
     def renew_now(self) -> int:
         now = time.monotonic()
         with self._lock:
-            tokens = [t for t, deadline in self._held.items() if deadline > now]
-        if not tokens:
+            live = {pk: token for pk, (token, deadline) in self._held.items() if deadline > now}
+        if not live:
             return 0
-        expires = timezone.now() + timedelta(seconds=self.lease_seconds)
-        return ItemClaim.objects.filter(claim_token__in=tokens, status=ItemStatus.RUNNING).update(
-            lease_expires_at=expires
+        return (
+            ItemClaim.objects.filter(pk__in=list(live), claim_token__in=set(live.values()))
+            .in_flight()
+            .update(lease_expires_at=db_now_plus(self.lease_seconds))
         )
 
     def start(self) -> LeaseKeeper:

@@ -12,14 +12,14 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
+from datetime import datetime
 from itertools import islice
 from typing import Any, NamedTuple, cast
 
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Field, Q, QuerySet
-from django.utils import timezone
 
+from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .definition import FanOut, Item
 from .errors import FanoutError, MaterializeError
@@ -91,14 +91,15 @@ def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
         run.refresh_from_db()
         if run.status != RunStatus.PENDING:
             return run
-        now = timezone.now()
         token = uuid.uuid4()
         won = (
             BatchRun.objects.filter(pk=run.pk, status=RunStatus.PENDING)
-            .filter(Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=now))
+            .filter(
+                Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=DbNow())
+            )
             .update(
                 materialize_token=token,
-                materialize_lease_expires_at=now + timedelta(seconds=_MATERIALIZE_LEASE_SECONDS),
+                materialize_lease_expires_at=db_now_plus(_MATERIALIZE_LEASE_SECONDS),
             )
         )
         if won:
@@ -112,8 +113,7 @@ def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
 
     def renew() -> None:
         BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
-            materialize_lease_expires_at=timezone.now()
-            + timedelta(seconds=_MATERIALIZE_LEASE_SECONDS)
+            materialize_lease_expires_at=db_now_plus(_MATERIALIZE_LEASE_SECONDS)
         )
 
     try:
@@ -130,7 +130,7 @@ def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
     BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
         status=RunStatus.RUNNING,
         total_items=total,
-        started_at=timezone.now(),
+        started_at=DbNow(),
         materialize_token=None,
         materialize_lease_expires_at=None,
     )
@@ -148,6 +148,8 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
     if definition.static_pool:
         known_pools.add(definition.static_pool)
     copy = connection.vendor == "postgresql"
+    # Due from now by the database's clock, not this host's (which may run ahead).
+    due = db_now()
     while True:
         # With DEBUG on, Django keeps every query's SQL: a million items must not pile up there.
         connection.queries_log.clear()
@@ -175,9 +177,9 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
                         f"run {run.pk}: another process took over writing its items"
                     )
                 if copy:
-                    _copy_rows(run, rows)
+                    _copy_rows(run, rows, due)
                 else:
-                    _insert_rows(run, definition, rows, first, index)
+                    _insert_rows(run, definition, rows, first, index, due)
         except IntegrityError:
             if not copy:
                 raise
@@ -185,10 +187,19 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
             raise MaterializeError(_duplicate_message(run, definition, rows, first)) from None
 
 
-def _insert_rows(run: BatchRun, definition: FanOut, rows: list[_Row], first: int, end: int) -> None:
+def _insert_rows(
+    run: BatchRun, definition: FanOut, rows: list[_Row], first: int, end: int, due: datetime
+) -> None:
     ItemClaim.objects.bulk_create(
         [
-            ItemClaim(run=run, key=r.key, index=r.position, payload=r.payload, pool=r.pool)
+            ItemClaim(
+                run=run,
+                key=r.key,
+                index=r.position,
+                payload=r.payload,
+                pool=r.pool,
+                next_attempt_at=due,
+            )
             for r in rows
         ],
         ignore_conflicts=True,
@@ -208,11 +219,11 @@ class _Row(NamedTuple):
     pool: str
 
 
-def _copy_rows(run: BatchRun, rows: list[_Row]) -> None:
+def _copy_rows(run: BatchRun, rows: list[_Row], due: datetime) -> None:
     """PostgreSQL: stream the chunk with COPY; no model instances, no per-row SQL compiling."""
     meta = ItemClaim._meta
     given = ("run", "key", "index", "payload", "pool")
-    template = ItemClaim(run=run)  # every other column takes its model default
+    template = ItemClaim(run=run, next_attempt_at=due)  # every other column takes its model default
     defaults = [
         f
         for f in meta.concrete_fields

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import models
 from django.db.models import Q
@@ -53,6 +54,9 @@ class BatchRun(models.Model):
     join_mode = models.CharField(max_length=8, choices=JoinMode.choices)
     executor = models.CharField(max_length=16, default="inline")
     total_items = models.PositiveIntegerField(default=0)
+    # Items of this run that are running (live or expired lease), kept exact by every item
+    # transition: the run's max_parallel is decided from this counter under this row's lock.
+    in_flight = models.PositiveIntegerField(default=0)
     # Materialization is resumable: items below this index are committed.
     materialized_upto = models.PositiveIntegerField(default=0)
     materialize_token = models.UUIDField(null=True, blank=True)
@@ -94,22 +98,42 @@ class BatchRun(models.Model):
         return (self.finished_at or timezone.now()) - self.started_at
 
 
+def _now(now: datetime | None) -> Any:
+    """A given time, or the database's clock read in the statement itself."""
+    if now is not None:
+        return now
+    from .clock import DbNow
+
+    return DbNow()
+
+
 class ItemClaimQuerySet(models.QuerySet["ItemClaim"]):
-    def pending_due(self, now: datetime) -> ItemClaimQuerySet:
-        return self.filter(status=ItemStatus.PENDING, next_attempt_at__lte=now)
+    """Each status filter, named once. Without ``now`` they read the database's clock."""
 
-    def expired(self, now: datetime) -> ItemClaimQuerySet:
-        return self.filter(status=ItemStatus.RUNNING, lease_expires_at__lte=now)
+    def pending_due(self, now: datetime | None = None) -> ItemClaimQuerySet:
+        return self.filter(status=ItemStatus.PENDING, next_attempt_at__lte=_now(now))
 
-    def claimable(self, now: datetime) -> ItemClaimQuerySet:
+    def expired(self, now: datetime | None = None) -> ItemClaimQuerySet:
+        return self.filter(status=ItemStatus.RUNNING, lease_expires_at__lte=_now(now))
+
+    def claimable(self, now: datetime | None = None) -> ItemClaimQuerySet:
+        at = _now(now)
         return self.filter(
-            Q(status=ItemStatus.PENDING, next_attempt_at__lte=now)
-            | Q(status=ItemStatus.RUNNING, lease_expires_at__lte=now)
+            Q(status=ItemStatus.PENDING, next_attempt_at__lte=at)
+            | Q(status=ItemStatus.RUNNING, lease_expires_at__lte=at)
         )
 
-    def in_flight(self, now: datetime) -> ItemClaimQuerySet:
-        """Items whose lease is live: what counts against max_parallel and pools."""
-        return self.filter(status=ItemStatus.RUNNING, lease_expires_at__gt=now)
+    def in_flight(self, now: datetime | None = None) -> ItemClaimQuerySet:
+        """Items whose lease is live."""
+        return self.filter(status=ItemStatus.RUNNING, lease_expires_at__gt=_now(now))
+
+    def running(self) -> ItemClaimQuerySet:
+        """Items that hold a slot of their run and pool: what the in_flight counters count."""
+        return self.filter(status=ItemStatus.RUNNING)
+
+    def held(self, token: Any) -> ItemClaimQuerySet:
+        """Items still held under ``token``: the fence of every write by an owner."""
+        return self.filter(claim_token=token, status=ItemStatus.RUNNING)
 
     def terminal(self) -> ItemClaimQuerySet:
         return self.filter(status__in=TERMINAL_ITEM_STATUSES)
@@ -154,25 +178,16 @@ class ItemClaim(models.Model):
             models.UniqueConstraint(fields=["run", "index"], name="fanout_item_unique_run_index"),
         ]
         indexes = [
-            # Serves the claim query: pending items of a run in index order.
+            # Plain composite indexes (no partial ones: MariaDB and MySQL have none).
+            # The claim: a run's pending items in index order, and its expired leases.
+            models.Index(fields=["run", "status", "index"], name="fanout_item_claim_idx"),
             models.Index(
-                fields=["run", "index"],
-                name="fanout_item_pending_idx",
-                condition=Q(status="pending"),
+                fields=["run", "status", "lease_expires_at"], name="fanout_item_run_lease_idx"
             ),
-            # Live and expired leases per run and per pool: in-flight counts and recovery.
+            # Live leases per pool: fair share, the admin's gauges, per-host counts.
             models.Index(
-                fields=["run", "lease_expires_at"],
-                name="fanout_item_running_run_idx",
-                condition=Q(status="running"),
+                fields=["pool", "status", "lease_expires_at"], name="fanout_item_pool_lease_idx"
             ),
-            models.Index(
-                fields=["pool", "lease_expires_at"],
-                name="fanout_item_running_pool_idx",
-                condition=Q(status="running"),
-            ),
-            # Counts per status and the admin's filters.
-            models.Index(fields=["run", "status"], name="fanout_item_run_status_idx"),
         ]
 
     def __str__(self) -> str:
@@ -200,6 +215,9 @@ class CapacityPool(models.Model):
         null=True, blank=True, help_text="Admissions allowed at once; defaults to the rate count."
     )
     paused = models.BooleanField(default=False)
+    # Items of this pool that are running (live or expired lease), across every run; kept exact
+    # by every item transition and decided under this row's lock.
+    in_flight = models.PositiveIntegerField(default=0)
     # Token bucket state, written only under this row's lock.
     tokens = models.FloatField(null=True, blank=True)
     tokens_at = models.DateTimeField(null=True, blank=True)

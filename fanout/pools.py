@@ -131,6 +131,7 @@ class Headroom:
     count: int
     reason: str = ""
     until: datetime | None = None
+    full: bool = False  # refused because every slot is taken (not paused, rate, backoff)
 
 
 def refill(pool: CapacityPool, now: datetime) -> None:
@@ -154,7 +155,7 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
         return Headroom(0, f"throttled until {pool.backoff_until:%H:%M:%S}", pool.backoff_until)
     free = pool.max_concurrency - in_flight
     if free <= 0:
-        return Headroom(0, f"pool full ({in_flight}/{pool.max_concurrency})")
+        return Headroom(0, f"pool full ({in_flight}/{pool.max_concurrency})", full=True)
     if pool.tokens is not None and pool.rate_count is not None:
         tokens = math.floor(pool.tokens + 1e-9)
         if tokens < 1:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from django.db import transaction
-from django.db.models import Q, QuerySet
-from django.utils import timezone
+from django.db.models import QuerySet
 
+from . import transitions
 from .claim import lock_run
-from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from .record import FAILED_FAST, cancel_pending
+from .clock import DbNow
+from .models import BatchRun, ItemClaim, RunStatus
+from .record import cancel_pending
 
 
 def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int:
@@ -21,28 +22,11 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     unrun) are touched, so a completed item never runs again and no live lease is disturbed.
     A finished run is reopened so its join runs again.
     """
-    now = timezone.now()
     with transaction.atomic():
         # Lock the run so a join cannot decide between our reopening and our items changing.
         lock_run(run.pk)
         qs = (items if items is not None else ItemClaim.objects.all()).filter(run_id=run.pk)
-        # Items a fail_fast run cancelled when it failed go back with the failed ones: they
-        # never ran, and without them the run could never succeed.
-        qs = qs.filter(
-            Q(status=ItemStatus.FAILED) | Q(status=ItemStatus.CANCELLED, error_class=FAILED_FAST)
-        )
-        count = qs.update(
-            status=ItemStatus.PENDING,
-            attempt=1,
-            crashes=0,
-            next_attempt_at=now,
-            claim_token=None,
-            lease_expires_at=None,
-            finished_at=None,
-            owner="",
-            error="",
-            error_class="",
-        )
+        count = transitions.reopen(qs)
         if count:
             BatchRun.objects.filter(pk=run.pk).exclude(status=RunStatus.PENDING).update(
                 status=RunStatus.RUNNING,
@@ -57,44 +41,37 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
 
 def cancel_run(run: BatchRun, reason: str = "cancelled by an operator") -> int:
     """Cancel the run: pending items are cancelled at once, running ones finish."""
-    now = timezone.now()
     with transaction.atomic():
         updated = BatchRun.objects.filter(
             pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
-        ).update(status=RunStatus.CANCELLED, finished_at=now, error=reason)
-        count = cancel_pending(run.pk, reason, now) if updated else 0
+        ).update(status=RunStatus.CANCELLED, finished_at=DbNow(), error=reason)
+        count = cancel_pending(run.pk, reason) if updated else 0
     run.refresh_from_db()
     return count
 
 
 def cancel_items(items: QuerySet[ItemClaim], reason: str = "cancelled by an operator") -> int:
     """Cancel the given items that nobody holds (pending ones)."""
-    return items.filter(status=ItemStatus.PENDING).update(
-        status=ItemStatus.CANCELLED,
-        finished_at=timezone.now(),
-        error=reason,
-        error_class="Cancelled",
-    )
+    return transitions.cancel_pending(items, reason)
 
 
-def release(tokens: Iterable[uuid.UUID]) -> int:
-    """Give back claims this process holds: no attempt is used, anyone may claim them again."""
-    tokens = list(tokens)
-    if not tokens:
-        return 0
-    return ItemClaim.objects.filter(claim_token__in=tokens, status=ItemStatus.RUNNING).update(
-        status=ItemStatus.PENDING,
-        claim_token=None,
-        lease_expires_at=None,
-        next_attempt_at=timezone.now(),
-    )
+def release(held: Mapping[int, uuid.UUID] | Iterable[uuid.UUID]) -> int:
+    """Give back claims this process holds: no attempt is used, anyone may claim them again.
+
+    ``held`` is a lease keeper's {item pk: claim token}, or claim tokens (every item under them).
+    """
+    if isinstance(held, Mapping):
+        if not held:
+            return 0
+        items = ItemClaim.objects.filter(pk__in=list(held), claim_token__in=set(held.values()))
+    else:
+        tokens = list(held)
+        if not tokens:
+            return 0
+        items = ItemClaim.objects.filter(claim_token__in=tokens)
+    return transitions.release(items)
 
 
 def force_release(items: QuerySet[ItemClaim]) -> int:
     """Take leases away from their holders: the old holder's late write is then refused."""
-    return items.filter(status=ItemStatus.RUNNING).update(
-        status=ItemStatus.PENDING,
-        claim_token=None,
-        lease_expires_at=None,
-        next_attempt_at=timezone.now(),
-    )
+    return transitions.release(items)

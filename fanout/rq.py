@@ -54,9 +54,20 @@ def slot_key(run_id: int, slot: int) -> str:
     return f"fanout:drain:{run_id}:{slot}"
 
 
+def drain_threads(run: BatchRun, definition: FanOut) -> int:
+    """Items one drain job runs at once: FANOUT_WORKER_THREADS, no more than the run can use."""
+    per_thread = max(1, definition.batch_size)
+    return max(1, min(int(conf.WORKER_THREADS), -(-run.max_parallel // per_thread)))
+
+
 def default_slots(run: BatchRun, definition: FanOut) -> int:
-    per_job = max(1, definition.batch_size)
-    return max(1, min(MAX_SLOTS, -(-run.max_parallel // per_job), 16))
+    """Drain jobs for a run: enough threads for max_parallel, and two where the run can use
+    more than one thread, so that two worker processes share a run from its start."""
+    per_thread = max(1, definition.batch_size)
+    threads = drain_threads(run, definition)
+    needed = -(-run.max_parallel // (per_thread * threads))
+    usable = -(-run.max_parallel // per_thread)
+    return max(1, min(MAX_SLOTS, 16, max(needed, min(2, usable))))
 
 
 def get_queue(definition: FanOut) -> Any:
@@ -101,7 +112,10 @@ def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
             "fanout.rq.drain_job",
             args=(run_id, slot),
             job_id=job_id,
-            timeout=int(conf.DRAIN_SECONDS + conf.STOP_GRACE_SECONDS + 120),
+            # No job timeout: an item may run for hours, and a timeout raised inside the job
+            # would cut it off. A drain claims nothing after FANOUT_DRAIN_SECONDS, and its
+            # items are bounded by the definition's timeout= (past it they are reclaimed).
+            timeout=-1,
             result_ttl=300,
             failure_ttl=86400,
             description=f"fanout: drain run {run_id} (slot {slot})",
@@ -158,22 +172,28 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
         logger.error("run %s: %s", run_id, exc)
         return str(exc)
     keeper = LeaseKeeper(definition.lease_seconds)
-    drain = Drain(
-        run.pk,
-        definition,
-        keeper,
-        run.params,
-        owner=owner_name(f"rq-{slot}"),
-        deadline=time.monotonic() + conf.DRAIN_SECONDS,
-    )
-    outcome: list[str] = []
+    stop = threading.Event()
+    deadline = time.monotonic() + conf.DRAIN_SECONDS
+    drains = [
+        Drain(
+            run.pk,
+            definition,
+            keeper,
+            run.params,
+            owner=owner_name(f"rq-{slot}-{i + 1}"),
+            stop=stop,
+            deadline=deadline,
+        )
+        for i in range(drain_threads(run, definition))
+    ]
+    outcomes: list[str] = []
 
-    def target() -> None:
+    def target(drain: Drain) -> None:
         try:
-            outcome.append(drain())
+            outcomes.append(drain())
         except Exception:
             logger.exception("run %s: drain failed", run_id)
-            outcome.append("crashed")
+            outcomes.append("crashed")
 
     if (
         threading.current_thread() is threading.main_thread()
@@ -181,21 +201,27 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     ):
         # A forked work horse: a SIGTERM meant for the worker's group stops us gracefully.
         signal.signal(signal.SIGTERM, lambda signum, frame: _request_stop())
-    thread = threading.Thread(target=target, name=f"fanout-drain-{run_id}-{slot}", daemon=True)
+    threads = [
+        threading.Thread(
+            target=target, args=(d,), name=f"fanout-drain-{run_id}-{slot}-{i + 1}", daemon=True
+        )
+        for i, d in enumerate(drains)
+    ]
     checked = [0.0]
     # A lost job's slot must free itself before its items' leases run out, so that idle
     # workers are sent to reclaim them.
     alive_ttl = max(1, min(ALIVE_TTL, int(definition.lease_seconds)))
     stopping_since: float | None = None
-    _running.add(drain.stop)
+    _running.add(stop)
     keeper.start()
     try:
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
+        for thread in threads:
+            thread.start()
+        while alive := [t for t in threads if t.is_alive()]:
+            alive[0].join(0.1)
             _heartbeat(job, key, alive_ttl)
             if stopping_since is None and _worker_stopping(job, checked):
-                drain.stop.set()  # claim nothing more; items not started are released
+                stop.set()  # claim nothing more; items not started are released
                 stopping_since = time.monotonic()
             if (
                 stopping_since is not None
@@ -207,15 +233,19 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
                 )
                 return "stopped: items released"
     except BaseException:
-        # The job was killed (timeout, cold shutdown): give back what we hold before leaving.
-        drain.stop.set()
+        # The worker is being shut down hard: give back what we hold before leaving. Items
+        # whose handlers finished are recorded by their threads within moments; the rest are
+        # released (no attempt used), and a late record of them is refused by the fence.
+        stop.set()
+        for thread in threads:
+            thread.join(1.0)
         release(keeper.held())
         raise
     finally:
-        _running.discard(drain.stop)
+        _running.discard(stop)
         keeper.stop()
-    result = outcome[0] if outcome else "crashed"
-    if result == "time budget spent" and not drain.stop.is_set():
+    result = "; ".join(sorted(set(outcomes))) or "crashed"
+    if "time budget spent" in outcomes and not stop.is_set():
         # Yield the RQ worker to other queued runs, and come back behind them.
         try:
             job.connection.delete(key)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
 
 from django.utils import timezone
 
-from .claim import ClaimedItem
 from .conf import conf
 from .definition import FanOut, Item
 from .errors import PermanentError, Throttled
-from .record import FAILED, RETRY, SUCCEEDED, THROTTLED, ExecutionOutcome
+from .transitions import FAILED, RETRY, SUCCEEDED, THROTTLED, ClaimedItem, ExecutionOutcome
 
 
 def backoff(definition: FanOut, attempt: int) -> float:
@@ -42,6 +42,7 @@ def execute(
         params=params,
     )
     outcome = ExecutionOutcome(pk=claimed.pk, key=claimed.key, kind=SUCCEEDED, pool=claimed.pool)
+    began = time.monotonic()
     try:
         value = definition.do(item)
     except Throttled as exc:
@@ -57,9 +58,7 @@ def execute(
         outcome.error_class, outcome.error = type(exc).__name__, _describe(exc)
         if claimed.attempt < definition.max_attempts:
             outcome.kind = RETRY
-            outcome.next_attempt_at = timezone.now() + timedelta(
-                seconds=backoff(definition, claimed.attempt)
-            )
+            outcome.retry_after = backoff(definition, claimed.attempt)
         else:
             outcome.kind = FAILED
     else:
@@ -69,5 +68,10 @@ def execute(
         except (TypeError, ValueError) as exc:
             outcome.kind, outcome.error_class = FAILED, "ResultNotJSON"
             outcome.error = f"the handler returned a value that is not JSON-serializable: {exc}"
-    outcome.finished_at = timezone.now()
+    # Durations by this host's monotonic clock, placed on the database's: no wall clock here.
+    outcome.elapsed = time.monotonic() - began
+    started = claimed.started_at
+    outcome.finished_at = (
+        started + timedelta(seconds=outcome.elapsed) if started is not None else timezone.now()
+    )
     return outcome

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,16 +15,23 @@ from functools import partial
 from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
-from django.utils import timezone
 
 from .claim import ClaimResult, claim
 from .conf import conf
 from .definition import FanOut
 from .join import maybe_join
 from .lease import LeaseKeeper
-from .models import ItemClaim
-from .record import RELEASED, ExecutionOutcome, Recorded, record
+from .models import FailurePolicy, ItemClaim
+from .record import Recorded, record
 from .run import execute
+from .transitions import (
+    RELEASED,
+    SUCCEEDED,
+    ClaimedItem,
+    ExecutionOutcome,
+    can_hand_over,
+    hand_over,
+)
 
 logger = logging.getLogger("fanout")
 T = TypeVar("T")
@@ -73,14 +81,24 @@ def _gate_set(run_id: int, result: ClaimResult) -> None:
             _wake.notify(1)
             return
         wait = conf.IDLE_MAX_SECONDS
-        if result.retry_at is not None:
-            wait = min(wait, max(0.0, (result.retry_at - timezone.now()).total_seconds()))
+        if result.retry_in is not None:
+            wait = min(wait, result.retry_in)
         _gate[run_id] = time.monotonic() + wait
 
 
 def owner_name(suffix: str = "") -> str:
     name = f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
     return f"{name}:{suffix}" if suffix else name
+
+
+@dataclass
+class Batch:
+    """Items a worker holds under one claim token, and what became of those it ran."""
+
+    token: uuid.UUID
+    items: list[ClaimedItem]
+    failure_policy: str
+    outcomes: list[ExecutionOutcome] = field(default_factory=list)
 
 
 @dataclass
@@ -104,93 +122,143 @@ class Drain:
             connection.close()
 
     def _loop(self) -> str:
-        definition = self.definition
-        # Outcomes executed but not yet recorded: they ride in the next claim's transaction.
-        carry: tuple[ClaimResult, list[ExecutionOutcome]] | None = None
+        # Items run but not yet recorded: they are recorded by the next claim or hand-over.
+        batch: Batch | None = None
         while True:
-            done = self.stop.is_set() or (
+            if self.stop.is_set() or (
                 self.deadline is not None and time.monotonic() >= self.deadline
-            )
-            if done:
-                if carry is not None:
-                    self._recorded(
-                        carry,
-                        self._db(
-                            partial(self._record, carry),
-                            give_up_after=definition.lease_seconds * 2,
-                        ),
-                    )
+            ):
+                if batch is not None:
+                    self._settle(batch)
                 return "stopped" if self.stop.is_set() else "time budget spent"
-            if carry is None and _gate_wait(self.run_id):
-                continue
             # With DEBUG on, Django keeps every query's SQL; a long drain must not pile it up.
             connection.queries_log.clear()
-            result = self._db(
-                partial(
-                    claim,
-                    self.run_id,
-                    self.owner,
-                    definition.batch_size,
-                    definition.lease_seconds,
-                    definition.crash_budget,
-                    definition.static_pool,
-                    before=partial(self._record, carry) if carry is not None else None,
-                )
-            )
-            if result is None:
+            if batch is not None and self._can_hand_over(batch):
+                batch = self._hand_over(batch)
+                if batch is not None:
+                    self._execute(batch)
                 continue
-            if carry is None:
-                _gate_set(self.run_id, result)
-            if carry is not None:
-                recorded = self._recorded(carry, result.before, result.items)
-                carry = None
-                if recorded.terminal and not result.items:
-                    self._db(lambda: maybe_join(self.run_id, definition))
+            if batch is None and _gate_wait(self.run_id):
+                continue
+            result = self._claim(batch)
+            if result is None:
+                continue  # the database went away and came back: the batch is re-recorded
+            batch = None
             if result.items:
-                carry = (result, self._execute(result))
+                assert result.token is not None
+                batch = Batch(result.token, result.items, result.failure_policy)
+                self.keeper.hold(batch.token, [i.pk for i in batch.items])
+                self._execute(batch)
                 continue
             if result.crashed_out:
-                self._db(lambda: maybe_join(self.run_id, definition))
+                self._db(lambda: maybe_join(self.run_id, self.definition))
             if not result.run_open:
                 return f"run {result.run_status}"
             unfinished = self._db(
                 lambda: ItemClaim.objects.filter(run_id=self.run_id).unfinished().exists()
             )
             if unfinished is False:
-                self._db(lambda: maybe_join(self.run_id, definition))
+                self._db(lambda: maybe_join(self.run_id, self.definition))
                 return "run finished"
             self._idle(result)
 
-    def _execute(self, result: ClaimResult) -> list[ExecutionOutcome]:
-        assert result.token is not None
-        self.keeper.hold(result.token, self.definition.timeout)
-        outcomes: list[ExecutionOutcome] = []
-        for item in result.items:
+    def _execute(self, batch: Batch) -> None:
+        for item in batch.items:
             if self.stop.is_set():
                 # A release gives the item back at once and costs no attempt.
-                outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
+                batch.outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
                 continue
-            outcomes.append(execute(self.definition, self.run_id, self.params, item))
+            self.keeper.started(item.pk, self.definition.timeout)
+            batch.outcomes.append(execute(self.definition, self.run_id, self.params, item))
+            self.keeper.finished(item.pk)
             self.executed += 1
         # A handler that broke this thread's connection shows up in the next query, which
         # _db() answers by reconnecting.
-        return outcomes
 
-    def _record(self, carry: tuple[ClaimResult, list[ExecutionOutcome]]) -> Recorded:
-        result, outcomes = carry
-        assert result.token is not None
-        return record(self.run_id, result.token, outcomes, result.failure_policy)
+    def _can_hand_over(self, batch: Batch) -> bool:
+        if len(batch.outcomes) != 1 or not can_hand_over(batch.outcomes[0]):
+            return False
+        # Under fail_fast a failure (or a retry, which may have to become one) is recorded
+        # by record(), which cancels what nobody holds.
+        kind = batch.outcomes[0].kind
+        return batch.failure_policy != FailurePolicy.FAIL_FAST or kind == SUCCEEDED
+
+    def _hand_over(self, batch: Batch) -> Batch | None:
+        """Record the one outcome and take the next item in its slot: one statement."""
+        outcome = batch.outcomes[0]
+        token = uuid.uuid4()
+        done = self._db(
+            partial(
+                hand_over,
+                self.run_id,
+                batch.token,
+                outcome,
+                self.owner,
+                token,
+                self.definition.lease_seconds,
+            )
+        )
+        if done is None:
+            return batch  # the database went away: record it again
+        self.keeper.drop([outcome.pk])
+        if not done.written:
+            logger.warning(
+                "run %s: outcome of %s dropped: this worker had lost its claim",
+                self.run_id,
+                outcome.key,
+            )
+        if done.next is not None:
+            self.keeper.hold(token, [done.next.pk])
+            return Batch(token, [done.next], batch.failure_policy)
+        if done.written:
+            wake(1)  # a slot was given up: an idle worker of this process may take it
+            if outcome.terminal:
+                self._db(lambda: maybe_join(self.run_id, self.definition))
+        return None
+
+    def _claim(self, batch: Batch | None) -> ClaimResult | None:
+        """Take new slots, recording the last batch's outcomes in the same transaction."""
+        definition = self.definition
+        result = self._db(
+            partial(
+                claim,
+                self.run_id,
+                self.owner,
+                definition.batch_size,
+                definition.lease_seconds,
+                definition.crash_budget,
+                definition.static_pool,
+                before=partial(self._record, batch) if batch is not None else None,
+            )
+        )
+        if result is None:
+            return None
+        if batch is None:
+            _gate_set(self.run_id, result)
+        else:
+            recorded = self._recorded(batch, result.before, result.items)
+            if recorded.terminal and not result.items:
+                self._db(lambda: maybe_join(self.run_id, definition))
+        return result
+
+    def _settle(self, batch: Batch) -> None:
+        """Record the batch without claiming more (the drain is stopping)."""
+        recorded = self._db(
+            partial(self._record, batch), give_up_after=self.definition.lease_seconds * 2
+        )
+        recorded = self._recorded(batch, recorded)
+        if recorded.terminal:
+            self._db(lambda: maybe_join(self.run_id, self.definition))
+
+    def _record(self, batch: Batch) -> Recorded:
+        return record(self.run_id, batch.token, batch.outcomes, batch.failure_policy)
 
     def _recorded(
-        self,
-        carry: tuple[ClaimResult, list[ExecutionOutcome]],
-        recorded: Recorded | None,
-        reclaimed: list[Any] | None = None,
+        self, batch: Batch, recorded: Recorded | None, reclaimed: list[Any] | None = None
     ) -> Recorded:
         """Stop renewing the batch's leases and say what became of its outcomes."""
-        result, outcomes = carry
-        assert result.token is not None
-        self.keeper.drop(result.token)
+        outcomes = batch.outcomes
+        self.keeper.drop([i.pk for i in batch.items])
         if recorded is None:
             logger.error(
                 "run %s: could not record %d outcomes; their leases will expire",
@@ -215,8 +283,8 @@ class Drain:
 
     def _idle(self, result: ClaimResult) -> None:
         timeout = conf.IDLE_MAX_SECONDS
-        if result.retry_at is not None:
-            timeout = min(timeout, max(0.0, (result.retry_at - timezone.now()).total_seconds()))
+        if result.retry_in is not None:
+            timeout = min(timeout, result.retry_in)
         with _wake:
             _wake.wait(max(timeout, 0.005))
 

@@ -284,7 +284,7 @@ def claim_queries(run: BatchRun, limit: int) -> list[str]:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_pending_claim_query_is_served_by_the_partial_index() -> None:
+def test_the_pending_claim_query_is_served_by_the_claim_index() -> None:
     run = new_run("explained")
     add_items(run, 20_000, ItemStatus.SUCCEEDED, 0)
     add_items(run, 50, ItemStatus.PENDING, 20_000)
@@ -302,7 +302,7 @@ def test_the_pending_claim_query_is_served_by_the_partial_index() -> None:
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN " + sql[0])
         plan = "\n".join(row[0] for row in cursor.fetchall())
-    assert "fanout_item_pending_idx" in plan, plan
+    assert "fanout_item_claim_idx" in plan, plan
     assert "Seq Scan" not in plan, plan
 
 

@@ -224,8 +224,10 @@ def test_a_killed_worker_holds_its_slot_until_its_lease_expires_then_the_pool_ad
     assert refused_while_live > 0, "no claim was tried while the dead worker's lease was live"
     (taken,) = result.items
     admitted_at = ItemClaim.objects.get(pk=taken.pk).claimed_at
-    # The dead worker's lease was not renewed, and its slot was given away only once it ended.
-    assert ItemClaim.objects.get(pk=held.pk).lease_expires_at == held.lease_expires_at
+    # The dead worker's lease was not renewed, and its slot was given away only once it ended:
+    # its item went back to pending with the crash counted.
+    given_back = ItemClaim.objects.get(pk=held.pk)
+    assert (given_back.status, given_back.crashes) == (ItemStatus.PENDING, 1)
     assert admitted_at >= held.lease_expires_at
     assert taken.pool == KILL_POOL
     record(other.pk, result.token, [ExecutionOutcome(taken.pk, taken.key, SUCCEEDED)], "collect")

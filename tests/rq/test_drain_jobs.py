@@ -37,7 +37,7 @@ def test_a_drain_job_carries_only_the_run_id_and_its_slot_as_json(redis: Any) ->
     run = definition.start({"n": 10}, executor="rq", wait=False)
 
     jobs = queued(redis)
-    assert len(jobs) == default_slots(run, definition) == 4
+    assert len(jobs) == default_slots(run, definition) == 2
     slots = set()
     for job_id in jobs:
         raw = redis.hgetall(f"rq:job:{job_id}")
@@ -53,7 +53,7 @@ def test_a_drain_job_carries_only_the_run_id_and_its_slot_as_json(redis: Any) ->
         assert job.func_name == "fanout.rq.drain_job"
         assert list(job.args) == [run.pk, args[1]] and job.kwargs == {}
         assert job.origin == "fanout"
-    assert slots == {0, 1, 2, 3}
+    assert slots == {0, 1}
     assert slot_keys(redis, run.pk) == {slot_key(run.pk, s) for s in slots}
 
 
@@ -67,7 +67,7 @@ def test_drain_jobs_are_enqueued_only_once_the_dispatching_transaction_commits(
         dispatch(run, definition, "rq")
         assert queued(redis) == []  # a worker must not look for rows it cannot see yet
 
-    assert len(queued(redis)) == 4
+    assert len(queued(redis)) == 2
 
 
 def test_a_dispatch_that_is_rolled_back_leaves_the_slots_free_for_the_next_one(
@@ -82,7 +82,7 @@ def test_a_dispatch_that_is_rolled_back_leaves_the_slots_free_for_the_next_one(
     assert queued(redis) == []
 
     dispatch(run, definition, "rq")  # e.g. the waiting parent's next re-dispatch
-    assert len(queued(redis)) == 4
+    assert len(queued(redis)) == 2
 
 
 def test_two_parents_dispatching_the_same_run_at_once_enqueue_no_more_jobs_than_its_slots(
@@ -98,13 +98,13 @@ def test_two_parents_dispatching_the_same_run_at_once_enqueue_no_more_jobs_than_
         assert code == 0, log
     run = BatchRun.objects.get(run_key="rq-bounded")
     assert [json.loads(p.stdout()) for p in parents] == [{"run_id": run.pk}] * 3
-    assert len(queued(redis)) == 4
-    assert len(drain_jobs(redis, run.pk)) == 4
-    assert len(slot_keys(redis, run.pk)) == 4
+    assert len(queued(redis)) == 2
+    assert len(drain_jobs(redis, run.pk)) == 2
+    assert len(slot_keys(redis, run.pk)) == 2
     # Dispatching again while the slots are held adds nothing.
     for _ in range(3):
         dispatch(run, get_definition("rq_items"), "rq")
-    assert len(queued(redis)) == 4
+    assert len(queued(redis)) == 2
 
 
 def test_a_definition_that_requires_a_gpu_runs_only_on_workers_of_the_gpu_queue(
@@ -151,7 +151,7 @@ def test_run_fanout_no_wait_prints_the_run_id_at_once_and_resume_attaches_and_fi
     # It did not wait: no worker exists yet, and nothing has run.
     assert ItemClaim.objects.filter(run=run, status=ItemStatus.PENDING).count() == 50
     assert not Execution.objects.exists()
-    assert len(queued(redis)) == 4
+    assert len(queued(redis)) == 2
 
     processes.workers(2)
     attached = processes.manage(["run_fanout", "--resume", str(run.pk)])

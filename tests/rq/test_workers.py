@@ -107,8 +107,14 @@ def test_a_worker_killed_mid_item_has_its_item_reclaimed_by_another_worker_after
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert run.join_runs == 1
     counts = executions(run.pk)
-    assert counts["r00005"] == 2
-    assert counts == Counter({k: 1 for k in keys(40)} | {"r00005": 2})
+    # Every item the killed worker was running (on any of its threads) ran again; no other.
+    died = set(
+        Execution.objects.filter(run_id=run.pk, worker=str(victim.pid), ended=None).values_list(
+            "key", flat=True
+        )
+    )
+    assert "r00005" in died
+    assert counts == Counter({k: 1 for k in keys(40)} | dict.fromkeys(died, 2))
     dead, again = calls(run.pk, "r00005")
     assert dead.ended is None  # the killed call never ended
     assert int(again.worker) == survivor.pid
@@ -159,7 +165,7 @@ def test_a_worker_stopped_with_sigterm_lets_its_item_finish_within_the_grace_per
     processes: Any, redis: Any, tmp_path: Path, worker_class: str
 ) -> None:
     victim, survivor, run, go, runner = _sigterm_mid_item(
-        processes, tmp_path, WORKER_CLASSES[worker_class], n=60
+        processes, tmp_path, WORKER_CLASSES[worker_class], n=400
     )
     stopped_at = time.time()
     worker_key = f"rq:worker:{victim.name}"
@@ -186,7 +192,7 @@ def test_a_worker_stopped_with_sigterm_lets_its_item_finish_within_the_grace_per
         started__gt=stopped_at + STOP_LATENCY[worker_class],
     ).exists()
     finished_run(run.pk)
-    assert_succeeded_once_each(run.pk, 60)
+    assert_succeeded_once_each(run.pk, 400)
     assert survivor.proc.poll() is None
 
 
@@ -258,7 +264,7 @@ def test_a_drain_job_that_spends_its_time_budget_re_enqueues_itself_until_the_ru
     processes.workers(2, FANOUT_DRAIN_SECONDS=0.5)
     run = get_definition("rq_items").start({"n": 60, "delay": 0.03}, executor="rq", wait=False)
     first_jobs = drain_jobs(redis, run.pk)
-    assert len(first_jobs) == 4
+    assert len(first_jobs) == 2
 
     # No parent waits on this run: only drain jobs coming back after their budget finish it.
     run = finished_run(run.pk, timeout=60)

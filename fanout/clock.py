@@ -1,0 +1,52 @@
+"""The database's clock: every lease, admission, rate, backoff and join decision reads it.
+
+Hosts' clocks disagree; the database server is the one clock that every worker shares. In SQL,
+``DbNow()`` is the server's time when the expression is evaluated (PostgreSQL's
+``clock_timestamp()``, not ``now()``, which is frozen at the start of the transaction and is
+stale after a lock wait). In Python, ``db_now()`` asks the server.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connection
+from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Value
+from django.db.models.functions import Now
+from django.utils import timezone
+
+
+class DbNow(Now):
+    """The database server's current time, read when the statement gets to it."""
+
+    def as_postgresql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        return "clock_timestamp()", []
+
+
+def db_now_plus(seconds: float) -> ExpressionWrapper:
+    """``DbNow() + seconds`` as an expression."""
+    return ExpressionWrapper(
+        DbNow() + Value(timedelta(seconds=seconds), output_field=DurationField()),
+        output_field=DateTimeField(),
+    )
+
+
+_SELECT_NOW = {
+    "postgresql": "SELECT clock_timestamp()",
+    "mysql": "SELECT CURRENT_TIMESTAMP(6)",
+}
+
+
+def db_now() -> datetime:
+    """The database server's time now, as an aware datetime (SQLite: this host's, its server)."""
+    sql = _SELECT_NOW.get(connection.vendor)
+    if sql is None:
+        return timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        value = cursor.fetchone()[0]
+    if timezone.is_naive(value):
+        # MySQL returns the session's time zone, which Django sets to UTC.
+        value = timezone.make_aware(value, UTC)
+    return value

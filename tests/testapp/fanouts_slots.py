@@ -1,0 +1,53 @@
+"""Definitions for the slot, clock and lease tests (imported by fanouts.py).
+
+Their handler writes every call to the Execution ledger when it starts and ends, with the
+process id, so a test counts executions per key, knows which process ran each, and measures
+how many ran at once.
+
+Params understood by ``timed`` (all optional):
+  n      items in the work list (keys s00000, s00001, ...), default 10
+  sleep  seconds every handler call takes
+  slow   {key: seconds}: the key's first execution takes that long instead
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from fanout import FanOut, Item
+
+from .ledger import executing
+
+__all__: list[str] = []  # nothing to import: constructing the definitions registers them
+
+SLOTS_POOL = "slots-pool"
+
+
+def timed(item: Item) -> dict[str, Any]:
+    p = item.params
+    with executing(item, worker=str(os.getpid())) as first:
+        seconds = float(p.get("sleep", 0))
+        if first and item.key in p.get("slow", {}):
+            seconds = float(p["slow"][item.key])
+        if seconds:
+            time.sleep(seconds)
+        return {"i": item.payload, "pid": os.getpid()}
+
+
+common: dict[str, Any] = dict(
+    over=lambda p: range(int(p.get("n", 10))),
+    key=lambda i: f"s{i:05d}",
+    do=timed,
+    retry_backoff=0.02,
+)
+
+FanOut("slots_run", max_parallel=6, lease_seconds=3, **common)
+FanOut("slots_pool", pool=SLOTS_POOL, max_parallel=16, lease_seconds=3, **common)
+# Workers whose clocks disagree by minutes: a lease far shorter than the skew.
+FanOut("slots_skew", max_parallel=6, lease_seconds=4, max_attempts=1, **common)
+# A batch whose last item outlives its timeout: only that item may be reclaimed.
+FanOut("slots_batch", batch_size=4, max_parallel=4, timeout=1, lease_seconds=1.5, **common)
+# Items that outlive a drain job's time budget many times over.
+FanOut("slots_long", max_parallel=2, lease_seconds=2, max_attempts=1, **common)
