@@ -27,6 +27,13 @@ DEFAULTS: dict[str, Any] = {
     "WORKER_THREADS": 8,
     # Seconds a stopping worker lets its items finish before releasing them.
     "STOP_GRACE_SECONDS": 10.0,
+    # How often each worker process looks for runs to take up (re-dispatch, joins), seconds.
+    "SUPERVISE_SECONDS": 5.0,
+    # A join that raises is retried with backoff (base seconds) up to this many runs in all.
+    "JOIN_ATTEMPTS": 3,
+    "JOIN_RETRY_BACKOFF": 2.0,
+    # The join's lease: a joiner that dies is replaced this long after its last renewal.
+    "JOIN_LEASE_SECONDS": 60.0,
     # Longest pause of an idle worker between claim attempts.
     "IDLE_MAX_SECONDS": 0.25,
 }
@@ -52,6 +59,10 @@ class Settings:
     WORKER_THREADS: int
     STOP_GRACE_SECONDS: float
     IDLE_MAX_SECONDS: float
+    SUPERVISE_SECONDS: float
+    JOIN_ATTEMPTS: int
+    JOIN_RETRY_BACKOFF: float
+    JOIN_LEASE_SECONDS: float
 
 
 conf = Settings()

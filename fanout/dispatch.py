@@ -15,6 +15,7 @@ from .errors import FanoutError
 from .lease import LeaseKeeper
 from .materialize import create_run, materialize
 from .models import BatchRun, RunStatus
+from .supervise import Supervisor
 from .worker import Drain, owner_name
 
 logger = logging.getLogger("fanout")
@@ -49,6 +50,8 @@ class InlineExecutor:
             for i, d in enumerate(self.drains)
         ]
         self.outcomes: list[str] = []
+        # While it runs, this process also takes up runs nobody carries (fanout.supervise).
+        self.supervisor = Supervisor(f"fanout-supervisor-{run.pk}")
 
     def _thread_main(self, drain: Drain) -> None:
         try:
@@ -61,6 +64,7 @@ class InlineExecutor:
 
     def start(self) -> InlineExecutor:
         self.keeper.start()
+        self.supervisor.start()
         for t in self.threads:
             t.start()
         return self
@@ -75,6 +79,7 @@ class InlineExecutor:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not self.alive:
             self.keeper.stop()
+            self.supervisor.stop()
 
     def shutdown(self) -> None:
         """Stop claiming, let running items finish, release claimed ones not yet started."""

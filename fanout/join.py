@@ -7,10 +7,12 @@ import logging
 import traceback
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
-from django.db.models import Count, Q
+from django.db.models import Count, F, Q
 
 from .clock import DbNow, db_now_plus
+from .conf import conf
 from .definition import FanOut, Outcome, get_definition
 from .errors import DefinitionNotFound
 from .lease import keep_alive
@@ -18,7 +20,6 @@ from .models import BatchRun, FailurePolicy, ItemClaim, ItemStatus, JoinMode, Ru
 
 logger = logging.getLogger("fanout")
 
-_JOIN_LEASE_SECONDS = 60.0
 
 
 def outcomes(run_id: int) -> Iterator[Outcome]:
@@ -56,10 +57,60 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
     """Run the join if every item is terminal and nobody else holds it; True if this call did.
 
     Called after the caller's outcome has committed, so of two workers finishing the last
-    two items at once, the later one always sees both and joins.
+    two items at once, the later one always sees both and joins. A join that raises is
+    retried with backoff (by whoever finds its lease run out: a worker's supervisor) up to
+    FANOUT_JOIN_ATTEMPTS runs; the run records the result of the one that succeeded, once.
     """
-    if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
+    token = _elect(run_id)
+    if token is None:
         return False
+    run = BatchRun.objects.get(pk=run_id)
+    try:
+        definition = definition or get_definition(run.definition)
+    except DefinitionNotFound as exc:
+        # Not this worker's to judge: one that knows the definition joins it.
+        _hold(run_id, token, float(conf.SUPERVISE_SECONDS))
+        from .supervise import note_stall
+
+        note_stall(run_id, f"{exc} (the join waits for a worker that has it)")
+        return False
+    counts = status_counts(run_id)
+    status = verdict(run.failure_policy, run.join_mode, counts)
+    result, error = None, ""
+    if definition.join is not None:
+        try:
+            result = _call_join(run_id, token, definition)
+        except Exception as exc:
+            logger.exception("join of run %s raised", run_id)
+            error = _describe(exc)
+            failures = run.join_failures + 1
+            if failures < int(conf.JOIN_ATTEMPTS):
+                backoff = float(conf.JOIN_RETRY_BACKOFF) * 2 ** (failures - 1)
+                BatchRun.objects.filter(pk=run_id, join_token=token).update(
+                    join_failures=failures,
+                    error=f"{error}\n(join run {failures} of {conf.JOIN_ATTEMPTS}; "
+                    f"retried in {backoff:g}s)",
+                )
+                _hold(run_id, token, backoff)
+                return True
+            status = RunStatus.FAILED
+    BatchRun.objects.filter(pk=run_id, join_token=token).update(
+        status=status,
+        join_result=result,
+        error=error,
+        join_failures=0,
+        finished_at=DbNow(),
+        join_token=None,
+        join_lease_expires_at=None,
+    )
+    logger.info("run %s joined: %s %s", run_id, status, counts)
+    return True
+
+
+def _elect(run_id: int) -> uuid.UUID | None:
+    """One conditional UPDATE picks the joiner; None if the run is not ready or not ours."""
+    if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
+        return None
     token = uuid.uuid4()
     won = (
         BatchRun.objects.filter(pk=run_id, status__in=(RunStatus.RUNNING, RunStatus.JOINING))
@@ -67,53 +118,38 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         .update(
             status=RunStatus.JOINING,
             join_token=token,
-            join_lease_expires_at=db_now_plus(_JOIN_LEASE_SECONDS),
+            join_lease_expires_at=db_now_plus(float(conf.JOIN_LEASE_SECONDS)),
         )
     )
     if not won:
-        return False
-    run = BatchRun.objects.get(pk=run_id)
+        return None
     if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
         # An item was reopened (retry-failed) between the check and the update.
         BatchRun.objects.filter(pk=run_id, join_token=token).update(
             status=RunStatus.RUNNING, join_token=None, join_lease_expires_at=None
         )
-        return False
-    counts = status_counts(run_id)
-    status = verdict(run.failure_policy, run.join_mode, counts)
-    result, error = None, ""
-    try:
-        definition = definition or get_definition(run.definition)
-    except DefinitionNotFound as exc:
-        definition, status, error = None, RunStatus.FAILED, str(exc)
-    if definition is not None and definition.join is not None:
-        BatchRun.objects.filter(pk=run_id, join_token=token).update(join_runs=run.join_runs + 1)
+        return None
+    return token
 
-        def renew() -> None:
-            BatchRun.objects.filter(pk=run_id, join_token=token).update(
-                join_lease_expires_at=db_now_plus(_JOIN_LEASE_SECONDS)
-            )
 
-        try:
-            with keep_alive(renew, _JOIN_LEASE_SECONDS / 3):
-                value = definition.join(outcomes(run_id))
-            result = json.loads(json.dumps(value))
-        except Exception as exc:
-            logger.exception("join of run %s raised", run_id)
-            status = RunStatus.FAILED
-            if isinstance(exc, TypeError | ValueError) and "JSON" in str(exc):
-                error = f"the join returned something that is not JSON: {exc}"
-            else:
-                error = (
-                    f"the join raised {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
-                )
+def _hold(run_id: int, token: uuid.UUID, seconds: float) -> None:
+    """Keep the join taken for ``seconds`` more: then anyone may take it over."""
     BatchRun.objects.filter(pk=run_id, join_token=token).update(
-        status=status,
-        join_result=result,
-        error=error,
-        finished_at=DbNow(),
-        join_token=None,
-        join_lease_expires_at=None,
+        join_lease_expires_at=db_now_plus(seconds)
     )
-    logger.info("run %s joined: %s %s", run_id, status, counts)
-    return True
+
+
+def _call_join(run_id: int, token: uuid.UUID, definition: FanOut) -> Any:
+    """Run the join function under a renewed lease; return its result as stored JSON."""
+    assert definition.join is not None
+    lease = float(conf.JOIN_LEASE_SECONDS)
+    BatchRun.objects.filter(pk=run_id, join_token=token).update(join_runs=F("join_runs") + 1)
+    with keep_alive(lambda: _hold(run_id, token, lease), lease / 3):
+        value = definition.join(outcomes(run_id))
+    return json.loads(json.dumps(value))
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, TypeError | ValueError) and "JSON" in str(exc):
+        return f"the join returned something that is not JSON: {exc}"
+    return f"the join raised {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"

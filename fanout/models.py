@@ -66,7 +66,13 @@ class BatchRun(models.Model):
     join_lease_expires_at = models.DateTimeField(null=True, blank=True)
     join_result = models.JSONField(null=True, blank=True)
     join_runs = models.PositiveIntegerField(default=0)
+    # Joins that raised since the run last (re)opened: retried with backoff up to a limit.
+    join_failures = models.PositiveIntegerField(default=0)
     error = models.TextField(blank=True)
+    # Why no worker could run it (a misconfigured or outdated worker), until one does.
+    stalled = models.TextField(blank=True, default="")
+    # Supervision: until when one worker has taken it up (the fleet's election).
+    tended_until = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

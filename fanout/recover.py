@@ -33,6 +33,7 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
                 finished_at=None,
                 join_token=None,
                 join_lease_expires_at=None,
+                join_failures=0,
                 error="",
             )
     run.refresh_from_db()

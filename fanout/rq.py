@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from .errors import DefinitionNotFound, FanoutError
 from .lease import LeaseKeeper
 from .models import BatchRun, RunStatus
 from .recover import release
+from .supervise import Supervisor, clear_stall, note_stall
 from .worker import Drain, owner_name
 
 logger = logging.getLogger("fanout")
@@ -128,6 +130,52 @@ def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
     return len(taken)  # inside a transaction, 0 until it commits
 
 
+_DEAD_STATUSES = {b"failed", b"stopped", b"canceled", b"finished"}
+
+
+def reap_slots(run: BatchRun, definition: FanOut) -> list[str]:
+    """Free the run's slots whose job failed, ended or vanished; say why each failed job did.
+
+    A slot normally frees itself when its job ends, or within ALIVE_TTL when its worker dies;
+    a job that never ran our code (a worker that cannot deserialize it, say) would hold its
+    slot for QUEUED_TTL and leave nobody the wiser.
+    """
+    conn = get_queue(definition).connection
+    reasons = []
+    for key in conn.scan_iter(match=f"fanout:drain:{run.pk}:*", count=1000):
+        job_id = conn.get(key)
+        if job_id is None:
+            continue
+        job_key = b"rq:job:" + (job_id if isinstance(job_id, bytes) else job_id.encode())
+        status = conn.hget(job_key, "status")
+        if status is not None and status not in _DEAD_STATUSES:
+            continue  # queued or running
+        if conn.get(key) == job_id:
+            conn.delete(key)
+        if status in (b"failed", b"stopped"):
+            reasons.append(_job_failure(conn, job_id, definition))
+    return reasons
+
+
+def _job_failure(conn: Any, job_id: Any, definition: FanOut) -> str:
+    from rq.job import Job
+
+    job_id = job_id.decode() if isinstance(job_id, bytes) else job_id
+    worker = conn.hget(f"rq:job:{job_id}", "worker_name") or b"?"
+    worker = worker.decode() if isinstance(worker, bytes) else worker
+    detail = "no error recorded"
+    try:
+        result = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
+        if result is not None and result.exc_string:
+            detail = result.exc_string.strip().splitlines()[-1]
+    except Exception as exc:  # the job's record is unreadable: say that instead
+        detail = f"its record could not be read ({type(exc).__name__})"
+    return (
+        f"no worker could run {definition.name!r}: drain job {job_id} failed on worker "
+        f"{worker}: {detail} (workers must use fanout.rq.FanoutWorker or RQ's JSON serializer)"
+    )
+
+
 def _worker_stopping(job: Any, checked: list[float]) -> bool:
     """True once our RQ worker was asked to stop (a forked work horse reads it from Redis)."""
     if _stop_requested.is_set():
@@ -169,8 +217,15 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     try:
         definition = get_definition(run.definition)  # only registered definitions ever run
     except DefinitionNotFound as exc:
-        logger.error("run %s: %s", run_id, exc)
+        from .apps import import_errors
+
+        reason = f"no worker could run {run.definition!r}: unknown fan-out on host "
+        reason += f"{socket.gethostname()} (workers started before it was deployed?)"
+        for module, error in import_errors().items():
+            reason += f"; {module} failed to import there: {error}"
+        note_stall(run_id, reason)
         return str(exc)
+    clear_stall(run_id)
     keeper = LeaseKeeper(definition.lease_seconds)
     stop = threading.Event()
     deadline = time.monotonic() + conf.DRAIN_SECONDS
@@ -284,6 +339,15 @@ class FanoutWorker(SimpleWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["serializer"] = JSONSerializer
         super().__init__(*args, **kwargs)
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        # Every worker also supervises: it takes up runs that lost their drain jobs or their
+        # joiner, so no run depends on a waiting parent (see fanout.supervise).
+        supervisor = Supervisor(f"fanout-supervisor-{self.name}").start()
+        try:
+            return super().work(*args, **kwargs)
+        finally:
+            supervisor.stop()
 
     def request_stop(self, signum: Any, frame: Any) -> None:
         _request_stop()

@@ -51,3 +51,36 @@ FanOut("slots_skew", max_parallel=6, lease_seconds=4, max_attempts=1, **common)
 FanOut("slots_batch", batch_size=4, max_parallel=4, timeout=1, lease_seconds=1.5, **common)
 # Items that outlive a drain job's time budget many times over.
 FanOut("slots_long", max_parallel=2, lease_seconds=2, max_attempts=1, **common)
+
+
+def join_once_blocked(outcomes: Any) -> dict[str, Any]:
+    """A join whose first run blocks until ``join_file`` exists; every run is noted with its pid."""
+    from pathlib import Path
+
+    from .models import Observation
+
+    seen = list(outcomes)
+    first = not Observation.objects.filter(name="join-started").exists()
+    Observation.objects.create(name="join-started", value=os.getpid())
+    if first:
+        release = Path(seen[0].result["params"]["join_file"])
+        deadline = time.monotonic() + 60
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return {"items": len(seen), "succeeded": sum(o.succeeded for o in seen)}
+
+
+def with_params(item: Item) -> dict[str, Any]:
+    return {**timed(item), "params": dict(item.params)}
+
+
+# A join that a test kills mid-way, on RQ workers.
+FanOut(
+    "slots_join",
+    over=common["over"],
+    key=common["key"],
+    do=with_params,
+    max_parallel=2,
+    lease_seconds=2,
+    join=join_once_blocked,
+)

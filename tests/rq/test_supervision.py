@@ -1,0 +1,163 @@
+"""Runs that heal themselves: workers take up what nobody carries, with no parent and no command."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fanout.definition import get_definition
+from fanout.models import BatchRun, RunStatus
+from tests.procs import wait_until
+from tests.rq.support import executions, finished_run, keys
+from tests.testapp.models import Execution, Observation
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FAST = {"FANOUT_SUPERVISE_SECONDS": 1, "FANOUT_JOIN_LEASE_SECONDS": 2}
+
+
+def ran(run_id: int) -> int:
+    return Execution.objects.filter(run_id=run_id).count()
+
+
+def assert_only_the_dead_ran_twice(run_id: int, n: int, dead: set[str]) -> None:
+    """Every item once, but those a killed worker was running: those twice, the first unfinished."""
+    counts = executions(run_id)
+    assert counts == Counter({k: 1 for k in keys(n)} | dict.fromkeys(dead, 2))
+    for key in dead:
+        first = Execution.objects.filter(run_id=run_id, key=key).order_by("started").first()
+        assert first is not None and first.ended is None, f"{key} had finished and ran again"
+
+
+def test_a_deploy_that_kills_every_worker_mid_run_loses_nothing_and_needs_nobody(
+    processes: Any,
+) -> None:
+    old = processes.workers(2, **FAST)
+    # What a web view does: start on RQ and return; no parent waits on the run.
+    run = get_definition("rq_crash").start(
+        {"n": 300, "delay": 0.02}, executor="rq", wait=False
+    )
+    wait_until(lambda: ran(run.pk) >= 60, 60, "60 items to run")
+    for worker in old:
+        worker.signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+    old_pids = {str(w.pid) for w in old}
+    dead = set(
+        Execution.objects.filter(run_id=run.pk, worker__in=old_pids, ended=None).values_list(
+            "key", flat=True
+        )
+    )
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.RUNNING
+
+    processes.workers(2, **FAST)
+    run = finished_run(run.pk, timeout=90)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.join_runs == 1
+    assert_only_the_dead_ran_twice(run.pk, 300, dead)
+
+
+def test_workers_stopped_for_longer_than_their_leases_finish_the_run_when_they_return(
+    processes: Any,
+) -> None:
+    workers = processes.workers(2, **FAST)
+    run = get_definition("rq_crash").start({"n": 200, "delay": 0.02}, executor="rq", wait=False)
+    wait_until(lambda: ran(run.pk) >= 40, 60, "40 items to run")
+    for worker in workers:
+        worker.signal(signal.SIGSTOP)
+    lease = get_definition("rq_crash").lease_seconds
+    wait_until(
+        lambda: not BatchRun.objects.get(pk=run.pk).items.in_flight().exists(),
+        lease + 10,
+        "every lease to run out",
+    )
+    for worker in workers:
+        worker.signal(signal.SIGCONT)
+
+    run = finished_run(run.pk, timeout=90)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.join_runs == 1
+    counts = executions(run.pk)
+    assert set(counts) == set(keys(200))
+    assert max(counts.values()) <= 2
+
+
+def test_a_join_whose_worker_dies_is_taken_over_after_its_lease_and_recorded_once(
+    processes: Any, tmp_path: Path
+) -> None:
+    workers = processes.workers(2, **FAST)
+    release = tmp_path / "join-go"
+    run = get_definition("slots_join").start(
+        {"n": 6, "join_file": str(release)}, executor="rq", wait=False
+    )
+    first = wait_until(
+        lambda: Observation.objects.filter(name="join-started").first(), 60, "the join to start"
+    )
+    joiner = next(w for w in workers if w.pid == first.value)
+    joiner.signal(signal.SIGKILL)
+    joiner.wait(timeout=10)
+
+    run = finished_run(run.pk, timeout=60)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.join_result == {"items": 6, "succeeded": 6}
+    starts = list(Observation.objects.filter(name="join-started").values_list("value", flat=True))
+    # The join function ran again on the other worker; the run recorded one result.
+    assert len(starts) == 2 and starts[1] != joiner.pid
+    assert run.join_runs == 2
+
+
+def test_a_worker_that_does_not_know_the_definition_says_why_and_the_run_heals_when_fixed(
+    processes: Any,
+) -> None:
+    run = get_definition("rq_items").start({"n": 20}, executor="rq", wait=False)
+    # The worker was started from an older deploy: it has never heard of this definition.
+    BatchRun.objects.filter(pk=run.pk).update(definition="sync_not_deployed_yet")
+    processes.workers(1, **FAST)
+
+    stalled = wait_until(
+        lambda: BatchRun.objects.get(pk=run.pk).stalled, 30, "the run to say why it stalls"
+    )
+    assert "no worker could run 'sync_not_deployed_yet': unknown fan-out on host" in stalled
+    assert "workers started before it was deployed?" in stalled
+    assert ran(run.pk) == 0
+
+    # The fixed deploy: now the workers know it. The supervisor takes the run up again.
+    BatchRun.objects.filter(pk=run.pk).update(definition="rq_items")
+    run = finished_run(run.pk, timeout=60)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.stalled == ""
+    assert executions(run.pk) == Counter(dict.fromkeys(keys(20), 1))
+
+
+def test_a_drain_job_that_a_pickle_worker_cannot_read_frees_its_slot_and_says_why(
+    processes: Any,
+) -> None:
+    # A worker started with RQ's defaults (pickle) takes the JSON drain jobs and fails them.
+    pickle = ["--serializer", "rq.serializers.DefaultSerializer"]
+    bad = processes.worker("fanout", args=["--worker-class", "rq.SimpleWorker", *pickle])
+    run = get_definition("rq_items").start({"n": 20}, executor="rq", wait=False)
+    # A healthy worker elsewhere (another queue) supervises every run.
+    processes.workers(1, "fanout-gpu", **FAST)
+
+    stalled = wait_until(
+        lambda: BatchRun.objects.get(pk=run.pk).stalled, 30, "the run to say why it stalls"
+    )
+    assert "no worker could run 'rq_items': drain job" in stalled
+    assert f"failed on worker {bad.name}" in stalled
+    assert "FanoutWorker" in stalled
+
+    bad.signal(signal.SIGKILL)
+    bad.wait(timeout=10)
+    processes.workers(1, **FAST)
+    run = finished_run(run.pk, timeout=60)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.stalled == ""
+    assert executions(run.pk) == Counter(dict.fromkeys(keys(20), 1))
