@@ -15,6 +15,7 @@ from pathlib import Path
 from .badinput import bad_handlers, bad_input
 from .compete import competing_parents
 from .crash import crash_parent, crash_workers
+from .deploy import deploy
 from .harness import DEFAULT_DATABASE_URL, Harness, Options, Result
 from .infra import pg_restart, redis_flush, redis_stop
 from .pool import exhausted_pool
@@ -24,6 +25,7 @@ SCENARIOS: dict[str, Callable[[Harness, Result], None]] = {
     "compete": competing_parents,
     "crash-workers": crash_workers,
     "crash-parent": crash_parent,
+    "deploy": deploy,
     "pool": exhausted_pool,
     "bad-handlers": bad_handlers,
     "bad-input": bad_input,

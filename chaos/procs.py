@@ -241,6 +241,18 @@ class WorkerPool:
             mine = [p for p in prefer if p in self.procs] or list(self.procs)
             return self.kill(random.choice(mine)) if mine else None
 
+    def redeploy(self) -> int:
+        """SIGKILL every worker at once, then start as many new ones; return how many died."""
+        with self._lock:
+            self.respawn = False
+            pids = list(self.procs)
+            for pid in pids:
+                self.kill(pid)
+            self.respawn = True
+            for _ in range(self.size):
+                self._spawn()
+        return len(pids)
+
     def wait_ready(self, redis: RedisServer, since: float = 0.0, timeout: float = 90) -> None:
         """Wait until every worker started after ``since`` has registered with Redis.
 
