@@ -120,6 +120,8 @@ class FanOut:
         retry_backoff: float | None = None,
         queue: str | None = None,
         requires: str | None = None,
+        max_failures: int | None = None,
+        max_failure_rate: float | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise FanoutError(
@@ -158,6 +160,17 @@ class FanOut:
             _check_positive_int(name, "batch_size", batch_size)
         if crash_budget is not None:
             _check_positive_int(name, "crash_budget", crash_budget, minimum=0)
+        if max_failures is not None:
+            _check_positive_int(name, "max_failures", max_failures, minimum=0)
+        if max_failure_rate is not None and (
+            isinstance(max_failure_rate, bool)
+            or not isinstance(max_failure_rate, int | float)
+            or not 0 <= max_failure_rate < 1
+        ):
+            raise FanoutError(
+                f"fan-out {name!r}: max_failure_rate must be a number from 0 to below 1 "
+                f"(0.05 = 5% of all items), got {max_failure_rate!r}"
+            )
         if params is not None and not isinstance(params, Mapping):
             raise FanoutError(f"fan-out {name!r}: params must be a mapping of name to type")
 
@@ -179,6 +192,8 @@ class FanOut:
         self._retry_backoff = retry_backoff
         self._queue = queue
         self.requires = requires
+        self.max_failures = max_failures
+        self.max_failure_rate = max_failure_rate
 
         previous = _registry.get(name)
         if previous is not None and previous.module != self.module:
@@ -228,6 +243,22 @@ class FanOut:
     def static_pool(self) -> str | None:
         """The pool every item uses, or None when there is none or it is chosen per item."""
         return self.pool if isinstance(self.pool, str) else None
+
+    @property
+    def has_thresholds(self) -> bool:
+        return self.max_failures is not None or self.max_failure_rate is not None
+
+    def threshold_crossed(self, failed: int, total: int) -> str:
+        """Why ``failed`` of ``total`` items fail the run by its thresholds, or ""."""
+        if self.max_failures is not None and failed > self.max_failures:
+            return f"{failed} items failed, more than max_failures={self.max_failures}"
+        rate = self.max_failure_rate
+        if rate is not None and total and failed > rate * total:
+            return (
+                f"{failed} of {total} items failed ({failed / total:.1%}), "
+                f"more than max_failure_rate={rate:g}"
+            )
+        return ""
 
     def pool_for(self, item: Item) -> str:
         if self.pool is None:

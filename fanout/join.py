@@ -77,6 +77,9 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
     counts = status_counts(run_id)
     status = verdict(run.failure_policy, run.join_mode, counts)
     result, error = None, ""
+    crossed = definition.threshold_crossed(counts[ItemStatus.FAILED], sum(counts.values()))
+    if crossed:
+        status, error = RunStatus.FAILED, f"the run failed: {crossed}"
     if definition.join is not None:
         try:
             result = _call_join(run_id, token, definition)

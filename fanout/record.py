@@ -10,10 +10,12 @@ from django.db.models import Q
 
 from . import transitions
 from .clock import db_now_plus
-from .models import CapacityPool, FailurePolicy, ItemClaim, ItemStatus
+from .definition import FanOut
+from .models import BatchRun, CapacityPool, FailurePolicy, ItemClaim, ItemStatus
 from .transitions import (
     FAILED,
     FAILED_FAST,
+    FAILURE_THRESHOLD,
     RELEASED,
     RETRY,
     SUCCEEDED,
@@ -45,7 +47,11 @@ class Recorded:
 
 
 def record(
-    run_id: int, token: uuid.UUID, outcomes: list[ExecutionOutcome], failure_policy: str
+    run_id: int,
+    token: uuid.UUID,
+    outcomes: list[ExecutionOutcome],
+    failure_policy: str,
+    definition: FanOut | None = None,
 ) -> Recorded:
     """Write outcomes for items still held under ``token``; drop the rest (their lease was lost).
 
@@ -54,8 +60,11 @@ def record(
     """
     if not outcomes:
         return Recorded(0, 0, 0, 0)
-    if failure_policy == FailurePolicy.FAIL_FAST and any(o.kind == RETRY for o in outcomes):
-        if any(o.kind == FAILED for o in outcomes) or run_failed(run_id):
+    thresholds = definition is not None and definition.has_thresholds
+    if any(o.kind == RETRY for o in outcomes) and (
+        failure_policy == FailurePolicy.FAIL_FAST or thresholds
+    ):
+        if any(o.kind == FAILED for o in outcomes) or run_failed(run_id, definition):
             # The run has failed fast: a retry would be new work, so the item fails with its error.
             for o in outcomes:
                 if o.kind == RETRY:
@@ -75,12 +84,31 @@ def record(
         failed = [o for o in mine if o.kind == FAILED]
         if failed and failure_policy == FailurePolicy.FAIL_FAST:
             fail_fast(run_id, failed[0].key)
+        elif failed and thresholds:
+            assert definition is not None
+            over_threshold(run_id, definition)
     terminal = sum(o.kind in (SUCCEEDED, FAILED) for o in mine)
     return Recorded(len(mine), len(outcomes) - len(mine), terminal, len(failed))
 
 
-def run_failed(run_id: int) -> bool:
-    return ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED).exists()
+def run_failed(run_id: int, definition: FanOut | None = None) -> bool:
+    """Whether the run has already failed: any failed item under fail_fast, or its thresholds."""
+    failed = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED)
+    if definition is None or not definition.has_thresholds:
+        return failed.exists()
+    total = BatchRun.objects.filter(pk=run_id).values_list("total_items", flat=True).first()
+    return bool(definition.threshold_crossed(failed.count(), total or 0))
+
+
+def over_threshold(run_id: int, definition: FanOut) -> str:
+    """If the run's failures crossed a threshold, fail it now: cancel what nobody holds."""
+    failed = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED).count()
+    total = BatchRun.objects.filter(pk=run_id).values_list("total_items", flat=True).first()
+    reason = definition.threshold_crossed(failed, total or 0)
+    if reason:
+        BatchRun.objects.filter(pk=run_id, error="").update(error=f"the run failed: {reason}")
+        cancel_pending(run_id, f"cancelled: {reason}", error_class=FAILURE_THRESHOLD)
+    return reason
 
 
 def cancel_pending(run_id: int, reason: str, error_class: str = "Cancelled") -> int:

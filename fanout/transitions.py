@@ -37,6 +37,8 @@ SUCCEEDED, FAILED, RETRY, THROTTLED, RELEASED = (
     "released",
 )
 FAILED_FAST = "FailedFast"  # error_class of items cancelled because a fail_fast run failed
+# error_class of items cancelled because the run's failures crossed max_failures or its rate
+FAILURE_THRESHOLD = "FailureThreshold"
 
 
 @dataclass
@@ -373,7 +375,8 @@ def reopen(items: QuerySet[ItemClaim]) -> int:
     from django.db.models import Q
 
     return items.filter(
-        Q(status=ItemStatus.FAILED) | Q(status=ItemStatus.CANCELLED, error_class=FAILED_FAST)
+        Q(status=ItemStatus.FAILED)
+        | Q(status=ItemStatus.CANCELLED, error_class__in=(FAILED_FAST, FAILURE_THRESHOLD))
     ).update(
         status=ItemStatus.PENDING,
         attempt=1,

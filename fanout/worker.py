@@ -181,7 +181,10 @@ class Drain:
         # Under fail_fast a failure (or a retry, which may have to become one) is recorded
         # by record(), which cancels what nobody holds.
         kind = batch.outcomes[0].kind
-        return batch.failure_policy != FailurePolicy.FAIL_FAST or kind == SUCCEEDED
+        if kind == SUCCEEDED:
+            return True
+        policy = batch.failure_policy
+        return policy != FailurePolicy.FAIL_FAST and not self.definition.has_thresholds
 
     def _hand_over(self, batch: Batch) -> Batch | None:
         """Record the one outcome and take the next item in its slot: one statement."""
@@ -251,7 +254,9 @@ class Drain:
             self._db(lambda: maybe_join(self.run_id, self.definition))
 
     def _record(self, batch: Batch) -> Recorded:
-        return record(self.run_id, batch.token, batch.outcomes, batch.failure_policy)
+        return record(
+            self.run_id, batch.token, batch.outcomes, batch.failure_policy, self.definition
+        )
 
     def _recorded(
         self, batch: Batch, recorded: Recorded | None, reclaimed: list[Any] | None = None

@@ -84,3 +84,20 @@ FanOut(
     lease_seconds=2,
     join=join_once_blocked,
 )
+
+
+def fail_some(item: Item) -> dict[str, Any]:
+    """Items whose number is in ``failing`` fail for good; the others succeed."""
+    from fanout import PermanentError
+
+    result = timed(item)
+    if item.payload in item.params.get("failing", ()):
+        raise PermanentError(f"item {item.payload} fails")
+    return result
+
+
+thresholds: dict[str, Any] = dict(
+    over=common["over"], key=common["key"], do=fail_some, max_parallel=4, max_attempts=1
+)
+FanOut("slots_max_failures", max_failures=5, failure_policy="collect", **thresholds)
+FanOut("slots_failure_rate", max_failure_rate=0.1, failure_policy="tolerate", **thresholds)
