@@ -218,10 +218,11 @@ def test_a_worker_stopped_with_sigterm_releases_an_item_that_outlasts_the_grace_
     after = wait_until(let_go, grace + 5, "the stopping worker to release its item", every=0.02)
     assert after >= grace - 0.5, f"released after {after:.1f}s, before the grace period ended"
     assert victim.wait(timeout=5) == 0
+
+    # The survivor runs it again: wait for the run to finish before reading the ledger.
+    run = finished_run(run.pk)
     dead, again = calls(run.pk, "r00003")
     assert dead.ended is None  # it never finished on the stopped worker
-
-    run = finished_run(run.pk)
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert run.join_runs == 1
     assert executions(run.pk) == Counter({k: 1 for k in keys(30)} | {"r00003": 2})
