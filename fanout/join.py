@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -82,21 +83,9 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         status, error = RunStatus.FAILED, f"the run failed: {crossed}"
     if definition.join is not None:
         try:
-            result = _call_join(run_id, token, definition)
-        except Exception as exc:
-            logger.exception("join of run %s raised", run_id)
-            error = _describe(exc)
-            failures = run.join_failures + 1
-            if failures < int(conf.JOIN_ATTEMPTS):
-                backoff = float(conf.JOIN_RETRY_BACKOFF) * 2 ** (failures - 1)
-                BatchRun.objects.filter(pk=run_id, join_token=token).update(
-                    join_failures=failures,
-                    error=f"{error}\n(join run {failures} of {conf.JOIN_ATTEMPTS}; "
-                    f"retried in {backoff:g}s)",
-                )
-                _hold(run_id, token, backoff)
-                return True
-            status = RunStatus.FAILED
+            result = _join_with_retries(run_id, token, definition, run.join_failures)
+        except _JoinFailed as failed:
+            status, error = RunStatus.FAILED, failed.error
     BatchRun.objects.filter(pk=run_id, join_token=token).update(
         status=status,
         join_result=result,
@@ -108,6 +97,40 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
     )
     logger.info("run %s joined: %s %s", run_id, status, counts)
     return True
+
+
+class _JoinFailed(Exception):
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _join_with_retries(
+    run_id: int, token: uuid.UUID, definition: FanOut, failures: int
+) -> Any:
+    """Call the join; while it raises, show the error on the run, wait and call it again.
+
+    The join stays taken throughout (its lease renewed while this process waits), so a crash
+    mid-wait hands it to a supervisor once the lease runs out, with the failures counted.
+    """
+    attempts = int(conf.JOIN_ATTEMPTS)
+    lease = float(conf.JOIN_LEASE_SECONDS)
+    while True:
+        try:
+            return _call_join(run_id, token, definition)
+        except Exception as exc:
+            logger.exception("join of run %s raised", run_id)
+            error = _describe(exc)
+            failures += 1
+            if failures >= attempts:
+                raise _JoinFailed(error) from None
+            backoff = float(conf.JOIN_RETRY_BACKOFF) * 2 ** (failures - 1)
+            BatchRun.objects.filter(pk=run_id, join_token=token).update(
+                join_failures=failures,
+                error=f"{error}\n(join run {failures} of {attempts} raised; "
+                f"run again in {backoff:g}s)",
+            )
+            with keep_alive(lambda: _hold(run_id, token, lease), lease / 3):
+                time.sleep(backoff)
 
 
 def _elect(run_id: int) -> uuid.UUID | None:

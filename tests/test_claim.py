@@ -284,6 +284,7 @@ def claim_queries(run: BatchRun, limit: int) -> list[str]:
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL SQL")
 def test_the_pending_claim_query_is_served_by_the_claim_index() -> None:
     run = new_run("explained")
     add_items(run, 20_000, ItemStatus.SUCCEEDED, 0)
@@ -307,6 +308,7 @@ def test_the_pending_claim_query_is_served_by_the_claim_index() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL SQL")
 def test_claiming_a_batch_takes_the_same_few_queries_whatever_the_run_size() -> None:
     # A run of its own for each measurement: each is the first claim of its run in this process.
     small, small_too = new_run("small"), new_run("small-too")
