@@ -127,7 +127,10 @@ def test_each_item_says_why_it_waits(admin_client):
     by_retry = make_run({"pending": 1}, waiting=1)
     by_pool = make_run({"pending": 1}, pool="paused-api")
     ready = make_run({"pending": 1}, pool="open-api")
+    BatchRun.objects.filter(pk=ready.pk).update(started_at=timezone.now())
     full = make_run({"running": 4, "pending": 1})
+    short_of_workers = make_run({"running": 1, "pending": 1})
+    stalled = make_run({"pending": 1}, executor="rq")
     writing = make_run({"pending": 1}, status=RunStatus.PENDING)
 
     response = admin_client.get(CHANGELIST, {"status": "pending"})
@@ -137,6 +140,12 @@ def test_each_item_says_why_it_waits(admin_client):
     assert why[by_pool.pk] == "paused-api: pool paused"
     assert why[ready.pk] == "ready: the next free worker claims it"
     assert why[full.pk] == "run at max_parallel (4/4)"
+    assert why[short_of_workers.pk] == "1 running, up to 4 allowed: no more workers free"
+    # Started five minutes ago, nothing claimed since, nothing running: nobody works on it.
+    assert why[stalled.pk] == (
+        "stalled: nothing running, no item claimed for 5m 00s; no live worker takes its drain "
+        "jobs: start `manage.py rqworker fanout`, or re-dispatch it"
+    )
     assert why[writing.pk] == "its run is still writing items"
     html = response.content.decode()
     assert "paused-api: pool paused" in html

@@ -111,8 +111,8 @@ def test_the_run_page_shows_the_join_result_and_the_pools_with_their_state(admin
     assert pool["state"].name == "provider-a" and pool["items"] == 5
     assert pool["state"].reason == "pool paused"
     # Its pending items wait for the paused pool.
-    assert response.context["progress"].counts["waiting"] == 2
-    assert response.context["progress"].waiting_reasons == {"provider-a: pool paused": 2}
+    assert response.context["counts"]["waiting"] == 2
+    assert response.context["progress"].waiting == {"provider-a: pool paused": 2}
 
 
 def test_the_run_page_polls_while_the_run_is_active_and_not_after(admin_client):
