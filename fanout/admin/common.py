@@ -58,26 +58,32 @@ def gauge(value: int, limit: int, label: str, title: str = "") -> str:
     )
 
 
-def timestamp(value: datetime | None, time_only: bool = False) -> str | None:
-    """A local time to the second, its zone in the tooltip; None (the admin's "-") for None."""
+def timestamp(value: datetime | None, time_only: bool = False) -> str:
+    """A local time to the second, its zone in the tooltip; a narrow column breaks it only
+    between the date and the time."""
     if value is None:
-        return None
+        return ""
     local = timezone.localtime(value)
+    when = date_format(local, "H:i:s")
+    if not time_only:
+        when = format_html(
+            '<span class="fanout-date">{}</span> {}', date_format(local, "Y-m-d"), when
+        )
     return format_html(
         '<time datetime="{}" title="{}">{}</time>',
         value.isoformat(),
         date_format(local, f"{TIME_FORMAT} T"),
-        date_format(local, "H:i:s" if time_only else TIME_FORMAT),
+        when,
     )
 
 
-def time_field(name: str, description: str) -> Callable[[Any, Any], str | None]:
+def time_field(name: str, description: str) -> Callable[[Any, Any], str]:
     """A read-only field or list column showing the datetime ``name`` to the second (the admin's
     own shows the project's DATETIME_FORMAT, minutes by default)."""
 
     @admin.display(description=description, ordering=name)
-    def show(model_admin: Any, obj: Any) -> str | None:
-        return timestamp(getattr(obj, name))
+    def show(model_admin: Any, obj: Any) -> str:
+        return timestamp(getattr(obj, name)) or model_admin.get_empty_value_display()
 
     return show
 

@@ -114,6 +114,16 @@ class ItemClaimAdmin(FanoutAdmin):
         ),
     )
 
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None or obj.status == ItemStatus.PENDING:
+            return fieldsets
+        # Only a pending item waits: the others leave the line out instead of leaving it blank.
+        return [
+            (name, {**opts, "fields": [f for f in opts["fields"] if f != "why_it_waits_now"]})
+            for name, opts in fieldsets
+        ]
+
     def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
         empty = EMPTY_COLUMNS.get(request.GET.get("status", ""), ())
         return tuple(c for c in self.list_display if c not in empty)

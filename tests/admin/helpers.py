@@ -94,6 +94,7 @@ def make_run(
         executor=executor,
         total_items=total,
         materialized_upto=total,
+        created_at=fields.pop("created_at", now - timedelta(minutes=5)),
         started_at=now - timedelta(minutes=5),
         finished_at=now if status in (RunStatus.SUCCEEDED, RunStatus.FAILED) else None,
         **fields,
