@@ -7,7 +7,7 @@ and its --json report (``final_report``); why items wait is decided in ``waiting
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -22,9 +22,9 @@ from .waiting import (
     STALLED,
     PoolState,
     RunActivity,
-    held_reason,
     last_claims,
     may_stall,
+    pool_hold,
     pool_states,
     why_run_waits,
 )
@@ -132,7 +132,7 @@ class Progress:
         seconds = ((run.finished_at or self.at) - run.started_at).total_seconds()
         return self.processed / seconds if seconds > 0 else None
 
-    def _add(self, row: dict[str, Any], states: dict[str, PoolState]) -> None:
+    def _add(self, row: Mapping[str, Any], states: dict[str, PoolState]) -> None:
         """Count one (status, pool) group of the run's items."""
         status, pool, n = row["status"], row["pool"], row["n"]
         self.counts[status] = self.counts.get(status, 0) + n
@@ -144,7 +144,7 @@ class Progress:
         elif status == ItemStatus.PENDING:
             self._hold(RETRY_NOT_DUE, row["later"])
             due = n - row["later"]
-            reason = held_reason(pool, False, states)
+            reason = pool_hold(pool, states)
             if reason:
                 self._hold(reason, due)
             else:

@@ -77,70 +77,6 @@ def pool_state(name: str, pool: CapacityPool | None, in_flight: int, now: dateti
     return PoolState(name, pool, in_flight, headroom(pool, in_flight, now).reason)
 
 
-# ---------------------------------------------------------------------------------- items
-
-
-def held_q(now: datetime) -> Q:
-    """Pending items held back now: a retry not yet due, or a pool that admits nothing."""
-    blocked = [s.name for s in pool_states(None, now).values() if s.reason]
-    held = Q(next_attempt_at__gt=now)
-    if blocked:
-        held |= Q(pool__in=blocked)
-    return Q(status=ItemStatus.PENDING) & held
-
-
-def held_reason(pool: str, retry_later: bool, states: dict[str, PoolState]) -> str:
-    """Why pending items of ``pool`` are held back now, in words that group them; "" if not."""
-    if retry_later:
-        return RETRY_NOT_DUE
-    state = states.get(pool)
-    if state is not None and state.reason:
-        return f"{pool}: {state.short_reason}"
-    return ""
-
-
-def why_items_wait(items: list[ItemClaim], now: datetime) -> dict[int, tuple[str, bool]]:
-    """Why each of these pending items (their runs loaded) is not running, and whether it is
-    held back (a "waiting" item): in at most four queries for any number of items."""
-    if not items:
-        return {}
-    states = pool_states({i.pool for i in items}, now)
-    runs = {i.run_id: i.run for i in items}
-    live = dict(
-        ItemClaim.objects.in_flight(now)
-        .filter(run_id__in=list(runs))
-        .values("run_id")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("run_id", "n")
-    )
-    # An item that is not held back is itself claimable: its run has one ready item at least.
-    activity = {pk: RunActivity(ready=1, live=live.get(pk, 0)) for pk in runs}
-    quiet = [pk for pk, a in activity.items() if may_stall(runs[pk], a, now)]
-    for pk, last in last_claims(quiet).items():
-        activity[pk].last_claimed_at = last
-    why = {pk: why_run_waits(run, activity[pk], now) for pk, run in runs.items()}
-    return {item.pk: _why_item_waits(item, now, states, why[item.run_id]) for item in items}
-
-
-def _why_item_waits(
-    item: ItemClaim, now: datetime, states: dict[str, PoolState], run_why: str
-) -> tuple[str, bool]:
-    """Why a pending item is not running, and whether it is held back; ``run_why`` is what
-    holds its run's claimable items."""
-    run = item.run
-    if run.status == RunStatus.PENDING:
-        return "its run is still writing items", False
-    if run.status != RunStatus.RUNNING:
-        return f"its run is {run.get_status_display().lower()}", False
-    if item.next_attempt_at > now:
-        return f"retry due in {human_duration(item.next_attempt_at - now)}", True
-    state = states.get(item.pool)
-    if state is not None and state.reason:
-        return f"{item.pool}: {state.reason}", True
-    return run_why or READY, False
-
-
 # ----------------------------------------------------------------------------------- runs
 
 
@@ -214,3 +150,65 @@ def _stalled(run: BatchRun, activity: RunActivity, now: datetime) -> str:
         f"`manage.py rqworker {definition.queue}`, "
         "or re-dispatch it"
     )
+
+
+# ---------------------------------------------------------------------------------- items
+
+
+def held_q(now: datetime) -> Q:
+    """Pending items held back now: a retry not yet due, or a pool that admits nothing."""
+    blocked = [s.name for s in pool_states(None, now).values() if s.reason]
+    held = Q(next_attempt_at__gt=now)
+    if blocked:
+        held |= Q(pool__in=blocked)
+    return Q(status=ItemStatus.PENDING) & held
+
+
+def pool_hold(pool: str, states: dict[str, PoolState]) -> str:
+    """Why due items of ``pool`` are held back now, in words that group them; "" if not."""
+    state = states.get(pool)
+    if state is not None and state.reason:
+        return f"{pool}: {state.short_reason}"
+    return ""
+
+
+def why_items_wait(items: list[ItemClaim], now: datetime) -> dict[int, tuple[str, bool]]:
+    """Why each of these pending items (their runs loaded) is not running, and whether it is
+    held back (a "waiting" item): in at most four queries for any number of items."""
+    if not items:
+        return {}
+    states = pool_states({i.pool for i in items}, now)
+    runs = {i.run_id: i.run for i in items}
+    live = dict(
+        ItemClaim.objects.in_flight(now)
+        .filter(run_id__in=list(runs))
+        .values("run_id")
+        .annotate(n=Count("pk"))
+        .order_by()
+        .values_list("run_id", "n")
+    )
+    # An item that is not held back is itself claimable: its run has one ready item at least.
+    activity = {pk: RunActivity(ready=1, live=live.get(pk, 0)) for pk in runs}
+    quiet = [pk for pk, a in activity.items() if may_stall(runs[pk], a, now)]
+    for pk, last in last_claims(quiet).items():
+        activity[pk].last_claimed_at = last
+    why = {pk: why_run_waits(run, activity[pk], now) for pk, run in runs.items()}
+    return {item.pk: _why_item_waits(item, now, states, why[item.run_id]) for item in items}
+
+
+def _why_item_waits(
+    item: ItemClaim, now: datetime, states: dict[str, PoolState], run_why: str
+) -> tuple[str, bool]:
+    """Why a pending item is not running, and whether it is held back; ``run_why`` is what
+    holds its run's claimable items."""
+    run = item.run
+    if run.status == RunStatus.PENDING:
+        return "its run is still writing items", False
+    if run.status != RunStatus.RUNNING:
+        return f"its run is {run.get_status_display().lower()}", False
+    if item.next_attempt_at > now:
+        return f"retry due in {human_duration(item.next_attempt_at - now)}", True
+    state = states.get(item.pool)
+    if state is not None and state.reason:
+        return f"{item.pool}: {state.reason}", True
+    return run_why or READY, False

@@ -88,7 +88,7 @@ def make_run(
         run_key=run_key or f"{DEFINITION}:{uuid.uuid4().hex[:12]}",
         params={"n": total},
         status=status,
-        max_parallel=4,
+        max_parallel=fields.pop("max_parallel", 4),
         failure_policy="collect",
         join_mode="all",
         executor=executor,
