@@ -154,6 +154,7 @@ def test_every_console_page_fits_a_1400_pixel_screen_with_errors_and_reasons_in_
     runs = console_runs()
     busy, stalled = runs["busy"], runs["stalled"]
     failed_item = ItemClaim.objects.filter(run=busy, status=ItemStatus.FAILED).order_by("index")[0]
+    waiting_item = ItemClaim.objects.filter(run=stalled, status=ItemStatus.PENDING)[0]
     ARTIFACTS.mkdir(exist_ok=True)
     admin = f"{live_server.url}/admin/fanout"
 
@@ -219,6 +220,11 @@ def test_every_console_page_fits_a_1400_pixel_screen_with_errors_and_reasons_in_
         shoot("item-page")
         assert_fits(page, "pre.fanout-traceback, fieldset")
 
+        # A pending item of the stalled run says why it waits on its own page too.
+        page.goto(f"{admin}/itemclaim/{waiting_item.pk}/change/")
+        expect(page.locator(".field-why_it_waits_now")).to_contain_text("stalled: nothing running")
+        shoot("waiting-item-page")
+
         # The pools: one full of this run's leases, one paused.
         page.goto(f"{admin}/capacitypool/")
         expect(page.locator("#result_list")).to_contain_text("pool paused")
@@ -252,23 +258,12 @@ def test_an_operator_finds_a_runs_failures_and_retries_them_in_the_browser(
 
     ensure_chromium()
     django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
-    CapacityPool.objects.create(name="thumbnailer-api", max_concurrency=8, rate_count=20)
-    run = make_run(
-        {"succeeded": 132, "failed": 14, "running": 6, "pending": 48},
-        pool="thumbnailer-api",
-        run_key="thumbnails:2026-11-29",
-        waiting=12,
-        error_classes=("TimeoutError", "TimeoutError", "ValueError"),
-    )
+    run = console_runs()["busy"]
     failed_keys = set(
         ItemClaim.objects.filter(run=run, status=ItemStatus.FAILED).values_list("key", flat=True)
     )
     with chromium_page() as page:
-        # Log in.
-        page.goto(f"{live_server.url}/admin/login/?next=/admin/fanout/batchrun/")
-        page.fill("#id_username", "operator")
-        page.fill("#id_password", PASSWORD)
-        page.click("input[type=submit]")
+        log_in(page, live_server.url, "/admin/fanout/batchrun/")
         expect(page.locator("#result_list")).to_contain_text("thumbnails:2026-11-29")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
@@ -279,7 +274,7 @@ def test_an_operator_finds_a_runs_failures_and_retries_them_in_the_browser(
         expect(bar).to_be_visible()
         expect(bar.locator("rect.fanout-seg-failed")).to_have_count(1)
         expect(bar.locator("rect.fanout-seg-waiting")).to_have_count(1)
-        expect(page.locator(".fanout-failures")).to_contain_text("TimeoutError")
+        expect(page.locator(".fanout-failures")).to_contain_text("ClientError")
         expect(page.locator('[data-count="failed"]')).to_have_text("14")
         page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
 
