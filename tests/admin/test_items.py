@@ -9,6 +9,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from fanout.admin import ItemClaimAdmin
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
 
@@ -330,3 +331,23 @@ def test_retrying_items_does_not_let_one_force_release_leases(operator):
     item.refresh_from_db()
     assert item.status == ItemStatus.RUNNING and item.claim_token == token
     assert isinstance(token, uuid.UUID)
+
+
+@pytest.mark.parametrize(
+    ("status", "left_out"),
+    [
+        ("failed", {"why_it_waits"}),
+        ("pending", {"lease", "duration_display"}),
+        ("running", {"why_it_waits", "duration_display"}),
+        ("", set()),
+    ],
+)
+def test_a_status_filter_leaves_out_the_columns_it_would_leave_empty(
+    admin_client, status, left_out
+):
+    make_run({"failed": 1, "pending": 1, "running": 1})
+
+    cl = admin_client.get(CHANGELIST, {"status": status} if status else {}).context["cl"]
+
+    assert set(ItemClaimAdmin.list_display) - set(cl.list_display) == left_out
+    assert "last_error" in cl.list_display
