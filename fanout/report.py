@@ -87,6 +87,11 @@ class Progress:
         return sum(self.waiting.values())
 
     @property
+    def waiting_text(self) -> str:
+        """The held items' reasons in one line: "pool-a: pool paused (9); retry not yet due (2)"."""
+        return "; ".join(f"{reason} ({n:,})" for reason, n in self.waiting.items())
+
+    @property
     def stalled(self) -> bool:
         """Whether nothing will move until an operator acts (no live worker, say)."""
         return self.why.startswith(STALLED)

@@ -455,3 +455,12 @@ def test_the_run_list_shows_each_runs_id_and_when_it_started_to_the_second(admin
 
     assert f">#{run.pk}</a>" in html
     assert f"{started:%Y-%m-%d}</span> {started:%H:%M:%S}</time>" in html
+
+
+def test_the_run_list_says_why_a_run_with_nothing_running_waits_for_its_held_items(admin_client):
+    CapacityPool.objects.create(name="provider-a", paused=True)
+    make_run({"succeeded": 3, "pending": 9}, pool="provider-a")
+
+    html = admin_client.get(CHANGELIST).content.decode()
+
+    assert ">provider-a: pool paused (9)</span>" in html
