@@ -100,6 +100,11 @@ def layout(page: Any, cells: str) -> dict[str, float]:
                 edge: results ? results.getBoundingClientRect().right : innerWidth,
                 scrolls: results ? results.scrollWidth > results.clientWidth : false,
                 row: Math.max(0, ...rows.map(r => r.getBoundingClientRect().height)),
+                // Clipped text must stay inside its own cell, not paint over the next one.
+                spills: [...document.querySelectorAll("#result_list .fanout-clip")].filter(
+                    c => c.getBoundingClientRect().right > c.closest("td, th")
+                        .getBoundingClientRect().right + 1
+                ).length,
             };
         }""",
         cells,
@@ -113,6 +118,7 @@ def assert_fits(page: Any, cells: str, row_height: float | None = None) -> None:
     assert seen["page"] <= WIDTH, f"{page.url} scrolls sideways: {seen}"
     assert not seen["scrolls"], f"the list on {page.url} scrolls sideways: {seen}"
     assert seen["right"] <= min(WIDTH, seen["edge"]), f"{cells} on {page.url} end unseen: {seen}"
+    assert not seen["spills"], f"text on {page.url} spills into the next column: {seen}"
     if row_height is not None:
         assert seen["row"] <= row_height, f"rows of {page.url} are too tall: {seen}"
 
@@ -160,8 +166,8 @@ def test_every_console_page_fits_a_1400_pixel_screen_with_errors_and_reasons_in_
 
     with chromium_page() as page:
 
-        def shoot(name: str) -> None:
-            page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
+        def shoot(name: str, full_page: bool = True) -> None:
+            page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=full_page)
 
         log_in(page, live_server.url, "/admin/fanout/batchrun/")
 
@@ -201,6 +207,12 @@ def test_every_console_page_fits_a_1400_pixel_screen_with_errors_and_reasons_in_
         assert_fits(page, "#result_list td.field-duration_display", row_height=45)
         error = page.locator("#result_list td.field-last_error .fanout-clip").first
         expect(error).to_have_attribute("title", LONG_ERROR)
+
+        # All its items, every column: still no sideways scrolling.
+        page.goto(f"{admin}/itemclaim/?run={busy.pk}&o=-3")
+        shoot("all-items", full_page=False)
+        assert_fits(page, "#result_list td.field-last_error", row_height=45)
+        assert_fits(page, "#result_list td.field-duration_display", row_height=45)
 
         # Its pending items, each with why it waits.
         page.goto(f"{admin}/itemclaim/?run={busy.pk}&status=pending")
