@@ -388,7 +388,7 @@ def test_a_run_with_claimable_items_and_nothing_claimed_for_a_while_says_it_stal
     assert "start `manage.py rqworker fanout`" in why
     assert poll["why"] == why and poll["stalled"] is True
     assert cli.why == why
-    assert "Not running: stalled: nothing running" in page.content.decode()
+    assert "Why pending items wait: stalled: nothing running" in page.content.decode()
 
 
 def test_a_run_whose_workers_died_holding_leases_says_it_stalled(admin_client):

@@ -56,7 +56,7 @@
         const why = panel.querySelector('[data-field="why"]');
         if (why) {
             why.hidden = !data.why;
-            why.textContent = data.why ? `Not running: ${data.why}` : "";
+            why.textContent = data.why ? `Why pending items wait: ${data.why}` : "";
             why.classList.toggle("fanout-stalled", data.stalled);
         }
     }
