@@ -1,103 +1,72 @@
-"""What a run looks like now: counts per status, why items wait, and the final report."""
+"""What a run looks like now: its items counted per status, the held ones and why, why the
+others are not running, its failures by error class, and the final report.
+
+One ``Progress`` serves the admin's pages and their poll, run_fanout's live line (``snapshot``)
+and its --json report (``final_report``); why items wait is decided in ``waiting``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db.models import Count, Min, Q
 from django.utils import timezone
 
-from .join import status_counts
-from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus
-from .pools import headroom, refill
+from .models import BatchRun, ItemClaim, ItemStatus
+from .text import last_line
+from .waiting import (
+    RETRY_NOT_DUE,
+    STALLED,
+    PoolState,
+    RunActivity,
+    last_claims,
+    may_stall,
+    pool_hold,
+    pool_states,
+    why_run_waits,
+)
+
+__all__ = [
+    "SEGMENTS",
+    "WAITING",
+    "FailureGroup",
+    "PoolState",
+    "Progress",
+    "Snapshot",
+    "failure_groups",
+    "final_report",
+    "pool_states",
+    "progress_of",
+    "snapshot",
+    "waiting",
+]
 
 FAILED_LISTED = 10_000  # a report lists at most this many failed items
+FAILURE_GROUPS = 20  # error classes listed on a run's page
+WAITING = "waiting"
+# The progress bar's segments, left to right; "waiting" are the pending items held back.
+SEGMENTS = ("succeeded", "failed", "running", WAITING, "pending", "cancelled")
+BAR_WIDTH = 1000  # the scale segments are placed on
 
 
 @dataclass
-class PoolState:
-    """A pool as an operator sees it: its row, its live leases, and why it admits nothing."""
+class Progress:
+    """A run's items now: counts per status, the pending ones held back and why, and why the
+    others are not running."""
 
-    name: str
-    pool: CapacityPool | None
-    in_flight: int
-    reason: str  # "" while it has headroom
-
-    @property
-    def label(self) -> str:
-        return self.reason or "admitting"
-
-    @property
-    def short_reason(self) -> str:
-        """The reason without its time ("rate limited", not "rate limited until 10:00:01")."""
-        return self.reason.split(" until ")[0]
-
-
-def pool_states(names: Iterable[str] | None, now: datetime) -> dict[str, PoolState]:
-    """The named pools (every pool for None) and their state, in two queries for any number."""
-    pools_qs = CapacityPool.objects.all()
-    if names is not None:
-        wanted = sorted({n for n in names if n})
-        if not wanted:
-            return {}
-        pools_qs = pools_qs.filter(name__in=wanted)
-    pools = {p.name: p for p in pools_qs}
-    if names is None:
-        wanted = sorted(pools)
-    in_flight = dict(
-        ItemClaim.objects.in_flight(now)
-        .filter(pool__in=wanted)
-        .values("pool")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("pool", "n")
-    )
-    states = {}
-    for name in wanted:
-        pool = pools.get(name)
-        count = in_flight.get(name, 0)
-        if pool is None:
-            states[name] = PoolState(name, None, count, "pool missing")
-            continue
-        refill(pool, now)
-        states[name] = PoolState(name, pool, count, headroom(pool, count, now).reason)
-    return states
-
-
-def waiting(run_id: int, now: datetime | None = None) -> dict[str, int]:
-    """Pending items held back by something other than their turn, counted per reason.
-
-    An item waits when its retry is not yet due, or when its pool admits nothing now (paused,
-    full, rate limited, throttled). Waiting for the run's own max_parallel is just "pending".
-    """
-    now = now or timezone.now()
-    rows = list(
-        ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.PENDING)
-        .values("pool")
-        .annotate(n=Count("pk"), later=Count("pk", filter=Q(next_attempt_at__gt=now)))
-    )
-    states = {n: s.reason for n, s in pool_states([r["pool"] for r in rows], now).items()}
-    reasons: dict[str, int] = {}
-    for r in rows:
-        if r["later"]:
-            reasons["retry not yet due"] = reasons.get("retry not yet due", 0) + r["later"]
-        reason = states.get(r["pool"], "")
-        due = r["n"] - r["later"]
-        if reason and due:
-            text = f"{r['pool']}: {reason.split(' until ')[0]}"
-            reasons[text] = reasons.get(text, 0) + due
-    return reasons
-
-
-@dataclass
-class Snapshot:
     run: BatchRun
-    counts: dict[str, int]
+    at: datetime
+    # Per item status; "pending" includes the held ones.
+    counts: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in ItemStatus})
+    # Pending items held back now, per reason: a retry not yet due, a pool that admits nothing.
     waiting: dict[str, int] = field(default_factory=dict)
-    at: datetime = field(default_factory=timezone.now)
+    pool_items: dict[str, int] = field(default_factory=dict)
+    activity: RunActivity = field(default_factory=RunActivity)
+    # Why its claimable items are not running: max_parallel, busy workers, stalled; or "".
+    why: str = ""
 
     @property
     def total(self) -> int:
@@ -105,20 +74,170 @@ class Snapshot:
 
     @property
     def done(self) -> int:
-        return sum(
-            self.counts[s] for s in (ItemStatus.SUCCEEDED, ItemStatus.FAILED, ItemStatus.CANCELLED)
+        c = self.counts
+        return c[ItemStatus.SUCCEEDED] + c[ItemStatus.FAILED] + c[ItemStatus.CANCELLED]
+
+    @property
+    def processed(self) -> int:
+        """Items a handler ran to an outcome: what a rate is made of."""
+        return self.counts[ItemStatus.SUCCEEDED] + self.counts[ItemStatus.FAILED]
+
+    @property
+    def held(self) -> int:
+        return sum(self.waiting.values())
+
+    @property
+    def waiting_text(self) -> str:
+        """The held items' reasons in one line: "pool-a: pool paused (9); retry not yet due (2)"."""
+        return "; ".join(f"{reason} ({n:,})" for reason, n in self.waiting.items())
+
+    @property
+    def stalled(self) -> bool:
+        """Whether nothing will move until an operator acts (no live worker, say)."""
+        return self.why.startswith(STALLED)
+
+    @property
+    def percent_done(self) -> float:
+        return 100.0 * self.done / self.total if self.total else 0.0
+
+    @property
+    def by_segment(self) -> dict[str, int]:
+        """Counts per progress-bar segment: "pending" without the held ones, which are "waiting"."""
+        out = {s: self.counts.get(s, 0) for s in SEGMENTS}
+        out[WAITING] = self.held
+        out[ItemStatus.PENDING] -= self.held
+        return out
+
+    def segments(self) -> list[dict[str, Any]]:
+        """The bar's non-empty segments, placed on a BAR_WIDTH-wide scale."""
+        total = self.total
+        out: list[dict[str, Any]] = []
+        x = 0.0
+        for status, n in self.by_segment.items():
+            if not n or not total:
+                continue
+            width = BAR_WIDTH * n / total
+            out.append(
+                {
+                    "status": status,
+                    "n": n,
+                    "x": round(x, 2),
+                    "width": round(width, 2),
+                    "percent": round(100.0 * n / total, 1),
+                }
+            )
+            x += width
+        return out
+
+    def rate(self) -> float | None:
+        """Items per second since the run started (until it finished)."""
+        run = self.run
+        if run.started_at is None:
+            return None
+        seconds = ((run.finished_at or self.at) - run.started_at).total_seconds()
+        return self.processed / seconds if seconds > 0 else None
+
+    def _add(self, row: Mapping[str, Any], states: dict[str, PoolState]) -> None:
+        """Count one (status, pool) group of the run's items."""
+        status, pool, n = row["status"], row["pool"], row["n"]
+        self.counts[status] = self.counts.get(status, 0) + n
+        if pool:
+            self.pool_items[pool] = self.pool_items.get(pool, 0) + n
+        if status == ItemStatus.RUNNING:
+            self.activity.live += row["live"]
+            self.activity.expired += n - row["live"]
+        elif status == ItemStatus.PENDING:
+            self._hold(RETRY_NOT_DUE, row["later"])
+            due = n - row["later"]
+            reason = pool_hold(pool, states)
+            if reason:
+                self._hold(reason, due)
+            else:
+                self.activity.ready += due
+
+    def _hold(self, reason: str, n: int) -> None:
+        if n:
+            self.waiting[reason] = self.waiting.get(reason, 0) + n
+
+
+# run_fanout's watch loop knows it by this name.
+Snapshot = Progress
+
+
+def progress_of(
+    runs: Iterable[BatchRun], now: datetime
+) -> tuple[dict[int, Progress], dict[str, PoolState]]:
+    """Each run's progress from one grouped query over its items, plus the pools they use (two
+    queries) and, only for runs that may have stalled, when they last claimed an item (one)."""
+    by_pk = {run.pk: run for run in runs}
+    progress = {pk: Progress(run, now) for pk, run in by_pk.items()}
+    if not by_pk:
+        return progress, {}
+    rows = list(
+        ItemClaim.objects.filter(run_id__in=list(by_pk))
+        .values("run_id", "status", "pool")
+        .annotate(
+            n=Count("pk"),
+            later=Count("pk", filter=Q(next_attempt_at__gt=now)),
+            live=Count("pk", filter=Q(lease_expires_at__gt=now)),
         )
+        .order_by()
+    )
+    states = pool_states({r["pool"] for r in rows}, now)
+    for r in rows:
+        progress[r["run_id"]]._add(r, states)
+    quiet = [pk for pk, p in progress.items() if may_stall(p.run, p.activity, now)]
+    for pk, last in last_claims(quiet).items():
+        progress[pk].activity.last_claimed_at = last
+    for p in progress.values():
+        p.why = why_run_waits(p.run, p.activity, now)
+    return progress, states
 
 
-def snapshot(run: BatchRun, with_waiting: bool = True) -> Snapshot:
+def snapshot(run: BatchRun) -> Progress:
+    """The run as it is now, re-read from the database."""
     run.refresh_from_db()
-    now = timezone.now()
-    return Snapshot(run, status_counts(run.pk), waiting(run.pk, now) if with_waiting else {}, now)
+    progress, _ = progress_of([run], timezone.now())
+    return progress[run.pk]
+
+
+def waiting(run_id: int, now: datetime | None = None) -> dict[str, int]:
+    """The run's pending items held back now, counted per reason.
+
+    An item waits when its retry is not yet due, or when its pool admits nothing now (paused,
+    full, rate limited, throttled). Waiting for the run's own max_parallel is just "pending".
+    """
+    run = BatchRun.objects.get(pk=run_id)
+    progress, _ = progress_of([run], now or timezone.now())
+    return progress[run_id].waiting
+
+
+@dataclass
+class FailureGroup:
+    error_class: str
+    count: int
+    example: ItemClaim | None
+
+
+def failure_groups(run_id: int, limit: int = FAILURE_GROUPS) -> list[FailureGroup]:
+    """The run's failed items grouped by error class, largest first, one example each."""
+    groups = list(
+        ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED)
+        .values("error_class")
+        .annotate(n=Count("pk"), example=Min("pk"))
+        .order_by("-n", "error_class")[:limit]
+    )
+    if not groups:
+        return []
+    examples = ItemClaim.objects.only("key", "error", "attempt", "finished_at").in_bulk(
+        [g["example"] for g in groups]
+    )
+    return [FailureGroup(g["error_class"], g["n"], examples.get(g["example"])) for g in groups]
 
 
 def final_report(run: BatchRun) -> dict[str, Any]:
     """The report ``run_fanout --json`` prints: every outcome accounted for."""
-    run.refresh_from_db()
+    progress = snapshot(run)
     failed = (
         ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.FAILED)
         .order_by("index")
@@ -129,15 +248,10 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         "run_key": run.run_key,
         "definition": run.definition,
         "status": run.status,
-        "counts": status_counts(run.pk),
+        "counts": progress.counts,
         "failed": [
-            {"key": f["key"], "error": _last_line(f["error"]) or f["error_class"]} for f in failed
+            {"key": f["key"], "error": last_line(f["error"]) or f["error_class"]} for f in failed
         ],
         "join_result": run.join_result,
         "error": run.error,
     }
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""

@@ -1,8 +1,10 @@
-"""An operator in a real browser: find the failures of a run and retry them in two clicks.
+"""An operator in a real browser at 1400 px (and 1366): every page fits the screen, and the
+failures of a run are found and retried in two clicks.
 
 Drives the machine's Chromium (/usr/bin/chromium, installed with apt-get when missing) with
-Playwright against pytest-django's live server. Screenshots of the run list, the run page and
-its failed items are saved in test-artifacts/ (run-page.png, runs.png, failed-items.png).
+Playwright against pytest-django's live server. Screenshots are saved in test-artifacts/:
+console-*.png for the pages as a stranger first sees them (console-1366-*.png at 1366 px),
+and runs.png, run-page.png and failed-items.png along the retry.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 import pytest
 from django.db import connections
+from django.utils import timezone
 
-from fanout.models import CapacityPool, ItemClaim, ItemStatus, RunStatus
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 
 from .helpers import make_run
 
@@ -36,6 +39,13 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 PASSWORD = "a long operator password"
+WIDTH = 1400  # the screenshots' width; the layout is also checked at 1366
+LONG_ERROR = (
+    "botocore.exceptions.ClientError: An error occurred (SlowDown) when calling the PutObject "
+    "operation (reached max retries: 4): Please reduce your request rate. The bucket "
+    "thumbnails-eu-west-1-production received more requests than it can serve for the prefix "
+    "2026/11/29/originals/ in the last second."
+)
 
 
 def ensure_chromium() -> None:
@@ -68,8 +78,177 @@ def in_a_thread(write: Callable[[], None]) -> None:
     thread.join()
 
 
+def log_in(page: Any, url: str, next_path: str) -> None:
+    page.goto(f"{url}/admin/login/?next={next_path}")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+
+
+def layout(page: Any, cells: str) -> dict[str, float]:
+    """Where the page's content ends, how far ``cells`` reach right, and its tallest row."""
+    return page.evaluate(
+        """(cells) => {
+            const found = [...document.querySelectorAll(cells)];
+            // A list scrolls sideways inside its own box: what is past its edge is unseen too.
+            const results = document.querySelector("#changelist .results");
+            const rows = [...document.querySelectorAll("#result_list tbody tr")];
+            return {
+                page: document.documentElement.scrollWidth,
+                cells: found.length,
+                right: Math.max(0, ...found.map(c => c.getBoundingClientRect().right)),
+                edge: results ? results.getBoundingClientRect().right : innerWidth,
+                scrolls: results ? results.scrollWidth > results.clientWidth : false,
+                row: Math.max(0, ...rows.map(r => r.getBoundingClientRect().height)),
+                // Clipped text must stay inside its own cell, not paint over the next one.
+                spills: [...document.querySelectorAll("#result_list .fanout-clip")].filter(
+                    c => c.getBoundingClientRect().right > c.closest("td, th")
+                        .getBoundingClientRect().right + 1
+                ).length,
+            };
+        }""",
+        cells,
+    )
+
+
+def assert_fits(page: Any, cells: str, row_height: float | None = None) -> None:
+    """Nothing scrolls sideways, ``cells`` end within the screen, list rows are not too tall."""
+    seen = layout(page, cells)
+    width = page.viewport_size["width"]
+    assert seen["cells"], f"no {cells} on {page.url}"
+    assert seen["page"] <= width, f"{page.url} scrolls sideways: {seen}"
+    assert not seen["scrolls"], f"the list on {page.url} scrolls sideways: {seen}"
+    assert seen["right"] <= min(width, seen["edge"]), f"{cells} on {page.url} end unseen: {seen}"
+    assert not seen["spills"], f"text on {page.url} spills into the next column: {seen}"
+    if row_height is not None:
+        assert seen["row"] <= row_height, f"rows of {page.url} are too tall: {seen}"
+
+
+def console_runs() -> dict[str, BatchRun]:
+    """A busy console: a run with failures, waiting and running items, one that stalled with
+    nothing running, one that finished, and one whose pool is paused."""
+    CapacityPool.objects.create(name="thumbnailer-api", max_concurrency=8, rate_count=20)
+    CapacityPool.objects.create(name="ocr-provider", max_concurrency=2, paused=True)
+    busy = make_run(
+        {"succeeded": 132, "failed": 14, "running": 6, "pending": 48},
+        pool="thumbnailer-api",
+        run_key="thumbnails:2026-11-29:eu-west-1:originals-and-previews",
+        waiting=12,
+        error_classes=("ClientError", "ClientError", "ValueError"),
+    )
+    BatchRun.objects.filter(pk=busy.pk).update(max_parallel=6)
+    failed = ItemClaim.objects.filter(run=busy, status=ItemStatus.FAILED, error_class="ClientError")
+    failed.update(error=f"Traceback (most recent call last):\n  ...\n{LONG_ERROR}")
+    key = ItemClaim.objects.filter(run=busy, status=ItemStatus.FAILED).order_by("index").first()
+    ItemClaim.objects.filter(pk=key.pk).update(
+        key="s3://thumbnails-eu-west-1-production/2026/11/29/originals/IMG_20261129_101501.jpg"
+    )
+    stalled = make_run({"succeeded": 40, "pending": 1050}, executor="rq", run_key="ocr:backfill")
+    done = make_run({"succeeded": 500}, status=RunStatus.SUCCEEDED, run_key="reindex:2026-11-28")
+    BatchRun.objects.filter(pk=done.pk).update(finished_at=timezone.now())
+    held = make_run({"succeeded": 3, "pending": 9}, pool="ocr-provider", run_key="ocr:invoices")
+    return {"busy": busy, "stalled": stalled, "done": done, "held": held}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("width", [WIDTH, 1366])
+def test_every_console_page_fits_a_laptop_screen_with_errors_and_reasons_in_view(
+    live_server, django_user_model, width
+):
+    from playwright.sync_api import expect
+
+    ensure_chromium()
+    django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
+    runs = console_runs()
+    busy, stalled = runs["busy"], runs["stalled"]
+    failed_item = ItemClaim.objects.filter(run=busy, status=ItemStatus.FAILED).order_by("index")[0]
+    waiting_item = ItemClaim.objects.filter(run=stalled, status=ItemStatus.PENDING)[0]
+    ARTIFACTS.mkdir(exist_ok=True)
+    admin = f"{live_server.url}/admin/fanout"
+
+    with chromium_page(width) as page:
+
+        def shoot(name: str, full_page: bool = True) -> None:
+            name = name if width == WIDTH else f"{width}-{name}"
+            page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=full_page)
+
+        log_in(page, live_server.url, "/admin/fanout/batchrun/")
+
+        # The run list: ids, times to the second, and why the stalled run does not move.
+        table = page.locator("#result_list")
+        expect(table).to_contain_text(f"#{busy.pk}")
+        expect(table.locator("th.column-run_id")).to_have_count(1)
+        expect(table).to_contain_text(re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"))
+        row = table.locator("tr", has=page.get_by_role("link", name=f"#{stalled.pk}", exact=True))
+        expect(row.locator(".fanout-stalled")).to_contain_text("stalled: nothing running")
+        shoot("runs")
+        assert_fits(page, "#result_list td, #result_list th", row_height=100)
+
+        # The busy run's page: failures by class with their error clipped, what waits and why.
+        page.goto(f"{admin}/batchrun/{busy.pk}/change/")
+        expect(page.locator(".fanout-waiting-reasons")).to_contain_text("retry not yet due (12)")
+        summary = page.locator(".fanout-failures summary").first
+        expect(summary).to_contain_text("SlowDown")
+        shoot("run-page")
+        assert_fits(page, ".fanout-failures td, .fanout-summary")
+        summary.click()
+        expect(page.locator(".fanout-failures pre.fanout-traceback").first).to_be_visible()
+        assert_fits(page, ".fanout-failures td")
+
+        # The stalled run's page says so, and how to get it going.
+        page.goto(f"{admin}/batchrun/{stalled.pk}/change/")
+        why = page.locator('[data-field="why"]')
+        expect(why).to_contain_text("no live worker takes its drain jobs")
+        expect(why).to_contain_text("rqworker fanout")
+        shoot("stalled-run")
+
+        # Its failed items: the last error and the duration in view, one line a row.
+        page.goto(f"{admin}/itemclaim/?run={busy.pk}&status=failed")
+        expect(page.locator("#result_list tbody tr")).to_have_count(14)
+        shoot("failed-items")
+        assert_fits(page, "#result_list td.field-last_error", row_height=45)
+        assert_fits(page, "#result_list td.field-duration_display", row_height=45)
+        error = page.locator("#result_list td.field-last_error .fanout-clip").first
+        expect(error).to_have_attribute("title", LONG_ERROR)
+
+        # All its items, every column: still no sideways scrolling.
+        page.goto(f"{admin}/itemclaim/?run={busy.pk}&o=-3")
+        shoot("all-items", full_page=False)
+        assert_fits(page, "#result_list td.field-last_error", row_height=45)
+        assert_fits(page, "#result_list td.field-duration_display", row_height=45)
+
+        # Its pending items, each with why it waits.
+        page.goto(f"{admin}/itemclaim/?run={busy.pk}&status=pending")
+        expect(page.locator("#result_list")).to_contain_text("retry due in")
+        shoot("pending-items")
+        assert_fits(page, "#result_list td.field-why_it_waits", row_height=45)
+        page.goto(f"{admin}/itemclaim/?run={runs['held'].pk}&status=waiting")
+        expect(page.locator("#result_list")).to_contain_text("ocr-provider: pool paused")
+        shoot("waiting-items")
+
+        # A failed item's page: its whole traceback, times to the second.
+        page.goto(f"{admin}/itemclaim/{failed_item.pk}/change/")
+        expect(page.locator("pre.fanout-traceback")).to_contain_text("SlowDown")
+        expect(page.locator("#content")).to_contain_text(
+            re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+        )
+        shoot("item-page")
+        assert_fits(page, "pre.fanout-traceback, fieldset")
+
+        # A pending item of the stalled run says why it waits on its own page too.
+        page.goto(f"{admin}/itemclaim/{waiting_item.pk}/change/")
+        expect(page.locator(".field-why_it_waits_now")).to_contain_text("stalled: nothing running")
+        shoot("waiting-item-page")
+
+        # The pools: one full of this run's leases, one paused.
+        page.goto(f"{admin}/capacitypool/")
+        expect(page.locator("#result_list")).to_contain_text("pool paused")
+        shoot("pools")
+        assert_fits(page, "#result_list td", row_height=45)
+
+
 @contextlib.contextmanager
-def chromium_page() -> Iterator[Any]:
+def chromium_page(width: int = WIDTH) -> Iterator[Any]:
     """A Chromium page; the test touches the database only outside this block, where Django's
     connections are the ones pytest-django closes (Playwright runs its own event loop)."""
     from playwright.sync_api import sync_playwright
@@ -79,7 +258,7 @@ def chromium_page() -> Iterator[Any]:
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
         )
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": width, "height": 1000})
             page.set_default_timeout(15_000)
             yield page
         finally:
@@ -94,23 +273,12 @@ def test_an_operator_finds_a_runs_failures_and_retries_them_in_the_browser(
 
     ensure_chromium()
     django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
-    CapacityPool.objects.create(name="thumbnailer-api", max_concurrency=8, rate_count=20)
-    run = make_run(
-        {"succeeded": 132, "failed": 14, "running": 6, "pending": 48},
-        pool="thumbnailer-api",
-        run_key="thumbnails:2026-11-29",
-        waiting=12,
-        error_classes=("TimeoutError", "TimeoutError", "ValueError"),
-    )
+    run = console_runs()["busy"]
     failed_keys = set(
         ItemClaim.objects.filter(run=run, status=ItemStatus.FAILED).values_list("key", flat=True)
     )
     with chromium_page() as page:
-        # Log in.
-        page.goto(f"{live_server.url}/admin/login/?next=/admin/fanout/batchrun/")
-        page.fill("#id_username", "operator")
-        page.fill("#id_password", PASSWORD)
-        page.click("input[type=submit]")
+        log_in(page, live_server.url, "/admin/fanout/batchrun/")
         expect(page.locator("#result_list")).to_contain_text("thumbnails:2026-11-29")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
@@ -121,7 +289,7 @@ def test_an_operator_finds_a_runs_failures_and_retries_them_in_the_browser(
         expect(bar).to_be_visible()
         expect(bar.locator("rect.fanout-seg-failed")).to_have_count(1)
         expect(bar.locator("rect.fanout-seg-waiting")).to_have_count(1)
-        expect(page.locator(".fanout-failures")).to_contain_text("TimeoutError")
+        expect(page.locator(".fanout-failures")).to_contain_text("ClientError")
         expect(page.locator('[data-count="failed"]')).to_have_text("14")
         page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
 

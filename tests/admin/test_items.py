@@ -9,6 +9,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from fanout.admin import ItemClaimAdmin
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
 
@@ -127,7 +128,10 @@ def test_each_item_says_why_it_waits(admin_client):
     by_retry = make_run({"pending": 1}, waiting=1)
     by_pool = make_run({"pending": 1}, pool="paused-api")
     ready = make_run({"pending": 1}, pool="open-api")
+    BatchRun.objects.filter(pk=ready.pk).update(started_at=timezone.now())
     full = make_run({"running": 4, "pending": 1})
+    short_of_workers = make_run({"running": 1, "pending": 1})
+    stalled = make_run({"pending": 1}, executor="rq")
     writing = make_run({"pending": 1}, status=RunStatus.PENDING)
 
     response = admin_client.get(CHANGELIST, {"status": "pending"})
@@ -137,6 +141,12 @@ def test_each_item_says_why_it_waits(admin_client):
     assert why[by_pool.pk] == "paused-api: pool paused"
     assert why[ready.pk] == "ready: the next free worker claims it"
     assert why[full.pk] == "run at max_parallel (4/4)"
+    assert why[short_of_workers.pk] == "1 running, up to 4 allowed: no more workers free"
+    # Started five minutes ago, nothing claimed since, nothing running: nobody works on it.
+    assert why[stalled.pk] == (
+        "stalled: nothing running, no item claimed for 5m 00s; no live worker takes its drain "
+        "jobs: start `manage.py rqworker fanout`, or re-dispatch it"
+    )
     assert why[writing.pk] == "its run is still writing items"
     html = response.content.decode()
     assert "paused-api: pool paused" in html
@@ -321,3 +331,23 @@ def test_retrying_items_does_not_let_one_force_release_leases(operator):
     item.refresh_from_db()
     assert item.status == ItemStatus.RUNNING and item.claim_token == token
     assert isinstance(token, uuid.UUID)
+
+
+@pytest.mark.parametrize(
+    ("status", "left_out"),
+    [
+        ("failed", {"why_it_waits"}),
+        ("pending", {"lease", "duration_display"}),
+        ("running", {"why_it_waits", "duration_display"}),
+        ("", set()),
+    ],
+)
+def test_a_status_filter_leaves_out_the_columns_it_would_leave_empty(
+    admin_client, status, left_out
+):
+    make_run({"failed": 1, "pending": 1, "running": 1})
+
+    cl = admin_client.get(CHANGELIST, {"status": status} if status else {}).context["cl"]
+
+    assert set(ItemClaimAdmin.list_display) - set(cl.list_display) == left_out
+    assert "last_error" in cl.list_display

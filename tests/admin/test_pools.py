@@ -122,7 +122,7 @@ def test_a_paused_pool_holds_its_runs_items_as_waiting(admin_client):
 
     response = admin_client.get(reverse("admin:fanout_batchrun_change", args=[run.pk]))
 
-    assert response.context["progress"].counts["waiting"] == 3
+    assert response.context["counts"]["waiting"] == 3
     assert ItemClaim.objects.filter(run=run, status=ItemStatus.PENDING).count() == 3
 
 

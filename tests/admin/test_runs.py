@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.urls import reverse
+from django.utils import timezone
 
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from fanout.report import snapshot
 
 from .helpers import action, make_run, messages_of, page_action, statuses
 
@@ -111,8 +114,8 @@ def test_the_run_page_shows_the_join_result_and_the_pools_with_their_state(admin
     assert pool["state"].name == "provider-a" and pool["items"] == 5
     assert pool["state"].reason == "pool paused"
     # Its pending items wait for the paused pool.
-    assert response.context["progress"].counts["waiting"] == 2
-    assert response.context["progress"].waiting_reasons == {"provider-a: pool paused": 2}
+    assert response.context["counts"]["waiting"] == 2
+    assert response.context["progress"].waiting == {"provider-a: pool paused": 2}
 
 
 def test_the_run_page_polls_while_the_run_is_active_and_not_after(admin_client):
@@ -362,3 +365,102 @@ def test_retrying_several_inline_runs_tells_the_operator_once_how_to_resume_them
         f"runs {a.pk}, {b.pk} use the inline executor: start their workers with "
         "`manage.py run_fanout --resume ID`",
     ]
+
+
+# ------------------------------------------------------------------ why it waits
+
+
+def test_a_run_with_claimable_items_and_nothing_claimed_for_a_while_says_it_stalled(
+    admin_client,
+):
+    run = make_run({"succeeded": 2, "pending": 3}, executor="rq")
+    # Its last item was claimed a minute ago; nothing runs now.
+    ItemClaim.objects.filter(run=run, status=ItemStatus.SUCCEEDED).update(
+        claimed_at=timezone.now() - timedelta(seconds=61)
+    )
+
+    page = admin_client.get(change_url(run))
+    poll = json.loads(admin_client.get(progress_url(run)).content)
+    cli = snapshot(run)
+
+    why = page.context["progress"].why
+    assert why.startswith("stalled: nothing running, no item claimed for 1m 0")
+    assert "start `manage.py rqworker fanout`" in why
+    assert poll["why"] == why and poll["stalled"] is True
+    assert cli.why == why
+    assert "Why pending items wait: stalled: nothing running" in page.content.decode()
+
+
+def test_a_run_whose_workers_died_holding_leases_says_it_stalled(admin_client):
+    run = make_run({"running": 2, "pending": 1}, lease_seconds=-60)
+    ItemClaim.objects.filter(run=run).update(claimed_at=timezone.now() - timedelta(minutes=2))
+
+    progress = admin_client.get(change_url(run)).context["progress"]
+
+    assert progress.activity.expired == 2 and progress.activity.live == 0
+    assert progress.why.startswith("stalled: nothing running, no item claimed for 2m")
+    assert progress.why.endswith(f"resume it with `manage.py run_fanout --resume {run.pk}`")
+
+
+def test_a_stalled_run_of_a_definition_nobody_registered_says_so(admin_client):
+    run = make_run({"pending": 1})
+    BatchRun.objects.filter(pk=run.pk).update(definition="gone-away")
+
+    why = admin_client.get(change_url(run)).context["progress"].why
+
+    assert why.endswith("definition 'gone-away' is not registered, so no worker can run it")
+
+
+def test_a_run_that_just_started_is_not_called_stalled(admin_client):
+    run = make_run({"pending": 3})
+    BatchRun.objects.filter(pk=run.pk).update(started_at=timezone.now())
+
+    assert admin_client.get(change_url(run)).context["progress"].why == ""
+
+
+@pytest.mark.parametrize(
+    ("running", "max_parallel", "why"),
+    [
+        (4, 4, "run at max_parallel (4/4)"),
+        (2, 8, "2 running, up to 8 allowed: no more workers free"),
+    ],
+)
+def test_a_run_with_items_ready_says_why_no_more_of_them_run(
+    admin_client, running, max_parallel, why
+):
+    run = make_run({"running": running, "pending": 1050}, max_parallel=max_parallel)
+
+    response = admin_client.get(CHANGELIST)
+
+    [shown] = [r for r in response.context["cl"].result_list if r.pk == run.pk]
+    assert shown.fanout_progress.why == why
+    assert why in response.content.decode()
+
+
+def test_held_items_are_explained_by_their_reasons_not_by_a_stall(admin_client):
+    CapacityPool.objects.create(name="provider-a", paused=True)
+    run = make_run({"pending": 4}, pool="provider-a", waiting=1)
+
+    progress = admin_client.get(change_url(run)).context["progress"]
+
+    assert progress.waiting == {"retry not yet due": 1, "provider-a: pool paused": 3}
+    assert progress.why == ""
+
+
+def test_the_run_list_shows_each_runs_id_and_when_it_started_to_the_second(admin_client):
+    run = make_run({"succeeded": 1})
+    started = timezone.localtime(run.started_at)
+
+    html = admin_client.get(CHANGELIST).content.decode()
+
+    assert f">#{run.pk}</a>" in html
+    assert f"{started:%Y-%m-%d}</span> {started:%H:%M:%S}</time>" in html
+
+
+def test_the_run_list_says_why_a_run_with_nothing_running_waits_for_its_held_items(admin_client):
+    CapacityPool.objects.create(name="provider-a", paused=True)
+    make_run({"succeeded": 3, "pending": 9}, pool="provider-a")
+
+    html = admin_client.get(CHANGELIST).content.decode()
+
+    assert ">provider-a: pool paused (9)</span>" in html

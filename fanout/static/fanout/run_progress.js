@@ -53,6 +53,12 @@
                 ? "Waiting: " + reasons.map(([r, n]) => `${r} (${number.format(n)})`).join("; ")
                 : "";
         }
+        const why = panel.querySelector('[data-field="why"]');
+        if (why) {
+            why.hidden = !data.why;
+            why.textContent = data.why ? `Why pending items wait: ${data.why}` : "";
+            why.classList.toggle("fanout-stalled", data.stalled);
+        }
     }
 
     function poll(panel) {

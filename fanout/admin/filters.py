@@ -17,8 +17,9 @@ from django.db.models import QuerySet
 from django.utils import timezone
 from django_filters.widgets import DateRangeWidget, RangeWidget, SuffixedMultiWidget
 
-from .admin_views import WAITING, waiting_q
-from .models import CapacityPool, ItemClaim, ItemStatus
+from ..models import CapacityPool, ItemClaim, ItemStatus
+from ..report import WAITING
+from ..waiting import held_q
 
 STATUS_CHOICES = [
     *ItemStatus.choices[:1],
@@ -73,7 +74,7 @@ class ItemClaimFilterSet(django_filters.FilterSet):
 
     def filter_status(self, queryset: QuerySet, name: str, value: str) -> QuerySet:
         if value == WAITING:
-            return queryset.filter(waiting_q(timezone.now()))
+            return queryset.filter(held_q(timezone.now()))
         return queryset.filter(status=value)
 
 

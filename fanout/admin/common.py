@@ -1,0 +1,149 @@
+"""What the runs', items' and pools' admins share: the page-at-once changelist, custom
+permissions, times to the second, links to filtered item lists, and waking a run's workers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
+from django.http import HttpRequest
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.dateformat import format as date_format
+from django.utils.html import format_html
+from django.utils.http import urlencode
+
+from ..definition import get_definition
+from ..dispatch import dispatch
+from ..errors import FanoutError
+from ..models import BatchRun, RunStatus
+
+# Actions offered both on the list and as buttons of an object's page.
+BOTH = [admin.ActionLocation.CHANGE_LIST, admin.ActionLocation.CHANGE_FORM]
+# Runs whose failed items may be retried: a pending run is still writing items, and retrying
+# would silently reopen a run an operator cancelled.
+RETRYABLE_RUNS = (RunStatus.RUNNING, RunStatus.JOINING, RunStatus.SUCCEEDED, RunStatus.FAILED)
+CANCELLABLE_RUNS = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
+TIME_FORMAT = "Y-m-d H:i:s"
+
+
+def items_url(**params: Any) -> str:
+    """The item list filtered by ``params`` (run, status, pool, error_class)."""
+    return f"{reverse('admin:fanout_itemclaim_changelist')}?{urlencode(params)}"
+
+
+def json_block(value: Any) -> str:
+    if value is None:
+        return "—"
+    return format_html('<pre class="fanout-json">{}</pre>', json.dumps(value, indent=2))
+
+
+def clipped(text: str, css: str = "") -> str:
+    """Text cut to its column's width by the stylesheet, whole in its tooltip; "" for none."""
+    if not text:
+        return ""
+    return format_html('<span class="fanout-clip {}" title="{}">{}</span>', css, text, text)
+
+
+def gauge(value: int, limit: int, label: str, title: str = "") -> str:
+    """A meter of ``value`` against ``limit`` that turns to a warning one short of full."""
+    return render_to_string(
+        "fanout/admin/gauge.html",
+        {"value": value, "limit": limit, "high": max(1, limit - 1), "label": label, "title": title},
+    )
+
+
+def timestamp(value: datetime | None, time_only: bool = False) -> str:
+    """A local time to the second, its zone in the tooltip; a narrow column breaks it only
+    between the date and the time."""
+    if value is None:
+        return ""
+    local = timezone.localtime(value)
+    when = date_format(local, "H:i:s")
+    if not time_only:
+        when = format_html(
+            '<span class="fanout-date">{}</span> {}', date_format(local, "Y-m-d"), when
+        )
+    return format_html(
+        '<time datetime="{}" title="{}">{}</time>',
+        value.isoformat(),
+        date_format(local, f"{TIME_FORMAT} T"),
+        when,
+    )
+
+
+def time_field(name: str, description: str) -> Callable[[Any, Any], str]:
+    """A read-only field or list column showing the datetime ``name`` to the second (the admin's
+    own shows the project's DATETIME_FORMAT, minutes by default)."""
+
+    @admin.display(description=description, ordering=name)
+    def show(model_admin: Any, obj: Any) -> str:
+        return timestamp(getattr(obj, name)) or model_admin.get_empty_value_display()
+
+    return show
+
+
+class PageChangeList(ChangeList):
+    """A changelist whose admin reads what its columns show for the whole page at once."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        # Evaluates the page (the template then iterates the cached rows).
+        self.model_admin.read_page(request, list(self.result_list))  # type: ignore[attr-defined]
+
+
+class FanoutAdmin(admin.ModelAdmin):
+    """A fanout model's admin: its stylesheet, a page read at once, its custom permissions."""
+
+    class Media:
+        css = {"all": ("fanout/admin.css",)}
+
+    @staticmethod
+    def has_fanout_permission(request: HttpRequest, codename: str) -> bool:
+        """Whether the user holds one of the custom permissions of fanout's models' Meta."""
+        return request.user.has_perm(f"fanout.{codename}")
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return PageChangeList
+
+    def read_page(self, request: HttpRequest, rows: list[Any]) -> None:
+        """Read what the page's columns show for all its rows at once."""
+
+
+def _runs(pks: list[int]) -> str:
+    return f"run {pks[0]}" if len(pks) == 1 else f"runs {', '.join(map(str, sorted(pks)))}"
+
+
+def redispatch(model_admin: admin.ModelAdmin, request: HttpRequest, runs: list[BatchRun]) -> None:
+    """Wake workers for the running ones among ``runs``, and tell the operator what happened."""
+    inline, woken = [], []
+    for run in runs:
+        if run.status != RunStatus.RUNNING:
+            continue
+        if run.executor == "inline":
+            # Worker threads must not run inside the web server, tied to its processes' lives.
+            inline.append(run.pk)
+            continue
+        try:
+            dispatch(run, get_definition(run.definition), run.executor)
+        except (ImportError, FanoutError) as exc:
+            model_admin.message_user(
+                request, f"run {run.pk} could not be dispatched: {exc}", messages.ERROR
+            )
+        else:
+            woken.append(run.pk)
+    if woken:
+        model_admin.message_user(request, f"Workers woken for {_runs(woken)}.", messages.INFO)
+    if inline:
+        command = f"`manage.py run_fanout --resume {inline[0] if len(inline) == 1 else 'ID'}`"
+        model_admin.message_user(
+            request,
+            f"{_runs(inline)} {'uses' if len(inline) == 1 else 'use'} the inline executor: "
+            f"start {'its' if len(inline) == 1 else 'their'} workers with {command}",
+            messages.WARNING,
+        )

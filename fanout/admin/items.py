@@ -1,0 +1,306 @@
+"""Items: a list filtered with django-filter that says why each pending item waits and what
+each failed one raised, an item's page, and retry, cancel and force-release. Items are written
+by workers only: nobody adds, edits or deletes one by hand."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import cached_property
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.paginator import Paginator
+from django.db import connections
+from django.db.models import Exists, OuterRef, QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html
+
+from .. import recover
+from ..definition import get_definition
+from ..errors import FanoutError
+from ..models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from ..text import human_duration, last_line, plural
+from ..waiting import why_items_wait
+from .common import (
+    BOTH,
+    RETRYABLE_RUNS,
+    FanoutAdmin,
+    clipped,
+    json_block,
+    redispatch,
+    time_field,
+)
+from .filters import ItemClaimFilter
+
+# The columns a status filter leaves empty, left out so the others have room.
+EMPTY_COLUMNS = {
+    "pending": ("lease", "duration_display"),
+    "waiting": ("lease", "duration_display"),
+    "running": ("why_it_waits", "duration_display"),
+    "succeeded": ("why_it_waits",),
+    "failed": ("why_it_waits",),
+    "cancelled": ("why_it_waits",),
+}
+
+
+class EstimatedCountPaginator(Paginator):
+    """Counts filtered lists exactly, but takes PostgreSQL's estimate for a whole big table."""
+
+    ESTIMATE_ABOVE = 50_000
+
+    @cached_property
+    def count(self) -> int:  # type: ignore[override]
+        qs: QuerySet = self.object_list  # type: ignore[assignment]
+        connection = connections[qs.db]
+        if connection.vendor == "postgresql" and not qs.query.where:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+                    [qs.model._meta.db_table],
+                )
+                row = cursor.fetchone()
+            if row and row[0] >= self.ESTIMATE_ABOVE:
+                return int(row[0])
+        return super().count
+
+
+@admin.register(ItemClaim)
+class ItemClaimAdmin(FanoutAdmin):
+    list_display = (
+        "key_short",
+        "run_link",
+        "status_badge",
+        "attempts",
+        "lease",
+        "why_it_waits",
+        "last_error",
+        "duration_display",
+    )
+    list_filter = (ItemClaimFilter,)
+    list_select_related = ("run",)
+    search_fields = ("key", "error")
+    search_help_text = "Search by item key or error text."
+    show_facets = admin.ShowFacets.NEVER
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    # Work-list order, served by the (run, index) unique index.
+    ordering = ("run_id", "index")
+    actions = ("retry_items", "cancel_items", "force_release_leases")
+    fieldsets = (
+        (None, {"fields": (("key", "index"), "run", ("status", "pool"), "payload_display")}),
+        (
+            "Claim",
+            {
+                "fields": (
+                    ("owner", "claim_token"),
+                    ("claimed", "lease_expires"),
+                    ("attempt", "crashes", "next_attempt"),
+                    "why_it_waits_now",
+                )
+            },
+        ),
+        (
+            "Outcome",
+            {
+                "fields": (
+                    ("started", "finished"),
+                    "result_display",
+                    "error_class",
+                    "error_display",
+                )
+            },
+        ),
+    )
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None or obj.status == ItemStatus.PENDING:
+            return fieldsets
+        # Only a pending item waits: the others leave the line out instead of leaving it blank.
+        return [
+            (name, {**opts, "fields": [f for f in opts["fields"] if f != "why_it_waits_now"]})
+            for name, opts in fieldsets
+        ]
+
+    def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
+        empty = EMPTY_COLUMNS.get(request.GET.get("status", ""), ())
+        return tuple(c for c in self.list_display if c not in empty)
+
+    def read_page(self, request: HttpRequest, items: list[ItemClaim]) -> None:
+        """Decide "why it waits" for the page's pending items at once."""
+        now = timezone.now()
+        why = why_items_wait([i for i in items if i.status == ItemStatus.PENDING], now)
+        for item in items:
+            item.fanout_now = now  # type: ignore[attr-defined]
+            item.fanout_waits, item.fanout_held = why.get(item.pk, ("", False))  # type: ignore[attr-defined]
+
+    # Items change only through the actions below.
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "retry_item")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "cancel_item")
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "force_release_item")
+
+    # ------------------------------------------------------------------ columns
+
+    @admin.display(description="run", ordering="run_id")
+    def run_link(self, item: ItemClaim) -> str:
+        url = reverse("admin:fanout_batchrun_change", args=[item.run_id])
+        return format_html('<a href="{}" title="{}">#{}</a>', url, str(item.run), item.run_id)
+
+    @admin.display(description="key", ordering="key")
+    def key_short(self, item: ItemClaim) -> str:
+        return clipped(item.key)
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, item: ItemClaim) -> str:
+        if getattr(item, "fanout_held", False):
+            return format_html(
+                '<span class="fanout-badge fanout-waiting" title="{}">Waiting</span>',
+                "pending, held back",
+            )
+        return format_html(
+            '<span class="fanout-badge fanout-{}">{}</span>', item.status, item.get_status_display()
+        )
+
+    @admin.display(description="attempt", ordering="attempt")
+    def attempts(self, item: ItemClaim) -> str:
+        try:
+            most = str(get_definition(item.run.definition).max_attempts)
+        except FanoutError:
+            most = "?"
+        return f"{item.attempt}/{most}"
+
+    @admin.display(description="worker", ordering="owner")
+    def lease(self, item: ItemClaim) -> str:
+        """The lease holder (or the last one), and while it runs, when its lease expires."""
+        if not item.owner:
+            return ""
+        holder = clipped(item.owner)
+        if item.status != ItemStatus.RUNNING or item.lease_expires_at is None:
+            return holder
+        now = getattr(item, "fanout_now", None) or timezone.now()
+        left = item.lease_expires_at - now
+        if left <= timedelta(0):
+            return format_html(
+                '{}<span class="fanout-sub fanout-expired">lease expired {} ago</span>',
+                holder,
+                human_duration(-left),
+            )
+        return format_html(
+            '{}<span class="fanout-sub">lease expires in {}</span>', holder, human_duration(left)
+        )
+
+    @admin.display(description="why it waits")
+    def why_it_waits(self, item: ItemClaim) -> str:
+        return clipped(getattr(item, "fanout_waits", ""), "fanout-why")
+
+    @admin.display(description="last error")
+    def last_error(self, item: ItemClaim) -> str:
+        return clipped(last_line(item.error), "fanout-error")
+
+    @admin.display(description="duration")
+    def duration_display(self, item: ItemClaim) -> str:
+        return human_duration(item.duration)
+
+    claimed = time_field("claimed_at", "claimed")
+    lease_expires = time_field("lease_expires_at", "lease expires")
+    next_attempt = time_field("next_attempt_at", "next attempt not before")
+    started = time_field("started_at", "started")
+    finished = time_field("finished_at", "finished")
+
+    @admin.display(description="why it waits")
+    def why_it_waits_now(self, item: ItemClaim) -> str:
+        if item.status != ItemStatus.PENDING:
+            return ""
+        reason, _ = why_items_wait([item], timezone.now())[item.pk]
+        return reason
+
+    @admin.display(description="payload")
+    def payload_display(self, item: ItemClaim) -> str:
+        return json_block(item.payload)
+
+    @admin.display(description="result")
+    def result_display(self, item: ItemClaim) -> str:
+        return json_block(item.result)
+
+    @admin.display(description="error")
+    def error_display(self, item: ItemClaim) -> str:
+        return (
+            format_html('<pre class="fanout-traceback">{}</pre>', item.error) if item.error else ""
+        )
+
+    # ------------------------------------------------------------------ actions
+
+    @admin.action(description="Retry selected failed items", permissions=["retry"], location=BOTH)
+    def retry_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
+        failed = queryset.filter(status=ItemStatus.FAILED)
+        runs = list(
+            BatchRun.objects.filter(
+                pk__in=failed.values("run_id"), status__in=RETRYABLE_RUNS
+            ).order_by("pk")
+        )
+        retried = sum(recover.retry_failed(run, failed) for run in runs)
+        skipped = queryset.count() - retried
+        text = f"{plural(retried, 'failed item')} back to pending."
+        if skipped:
+            text += (
+                f" {plural(skipped, 'item')} skipped: not failed, or their run is pending"
+                " or cancelled."
+            )
+        self.message_user(request, text, messages.SUCCESS if retried else messages.WARNING)
+        redispatch(self, request, runs)
+
+    @admin.action(
+        description="Cancel selected pending items", permissions=["cancel"], location=BOTH
+    )
+    def cancel_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
+        pending = queryset.filter(status=ItemStatus.PENDING)
+        run_ids = list(pending.values_list("run_id", flat=True).distinct().order_by())
+        cancelled = recover.cancel_items(pending)
+        self.message_user(
+            request,
+            f"Cancelled {plural(cancelled, 'pending item')}.",
+            messages.SUCCESS if cancelled else messages.WARNING,
+        )
+        done = (
+            BatchRun.objects.filter(pk__in=run_ids, status=RunStatus.RUNNING)
+            .exclude(Exists(ItemClaim.objects.filter(run=OuterRef("pk")).unfinished()))
+            .values_list("pk", flat=True)
+        )
+        for pk in done:
+            # The join runs in a worker, never in a web request.
+            self.message_user(
+                request,
+                f"run {pk} has no unfinished items left: its workers join it; if none are "
+                f"running, `manage.py run_fanout --resume {pk}` does.",
+                messages.INFO,
+            )
+
+    @admin.action(
+        description="Force-release the lease of selected running items",
+        permissions=["force_release"],
+        location=BOTH,
+    )
+    def force_release_leases(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
+        released = recover.force_release(queryset.filter(status=ItemStatus.RUNNING))
+        self.message_user(
+            request,
+            f"Released {plural(released, 'lease')}: those items are pending again, and their "
+            "old holders' late writes will be refused.",
+            messages.SUCCESS if released else messages.WARNING,
+        )

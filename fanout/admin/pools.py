@@ -1,0 +1,169 @@
+"""Capacity pools: in flight and admissions against their limits, why each admits nothing,
+editable limits (never the token bucket the workers write), pause and resume."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+from django.utils.html import format_html
+
+from ..models import CapacityPool, ItemClaim, ItemStatus
+from ..text import plural
+from ..waiting import pool_state
+from .common import BOTH, FanoutAdmin, gauge, items_url, time_field
+
+
+@admin.register(CapacityPool)
+class CapacityPoolAdmin(FanoutAdmin):
+    list_display = (
+        "name",
+        "state",
+        "concurrency_gauge",
+        "admissions",
+        "waiting_items",
+    )
+    list_filter = ("paused",)
+    search_fields = ("name",)
+    actions = ("pause_pools", "resume_pools")
+    fieldsets = (
+        (None, {"fields": ("name", "paused_flag")}),
+        (
+            "Limits",
+            {"fields": ("max_concurrency", ("rate_count", "rate_period"), "burst")},
+        ),
+        (
+            "Admission state (written by workers)",
+            {
+                "classes": ("collapse",),
+                "fields": (
+                    ("tokens", "tokens_refilled"),
+                    "backoff",
+                    "waiters",
+                    ("created", "updated"),
+                ),
+            },
+        ),
+    )
+    worker_fields = ("tokens", "tokens_refilled", "backoff", "waiters", "created", "updated")
+    editable_fields = ("name", "max_concurrency", "rate_count", "rate_period", "burst")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # Pausing has its own permission (the actions); a pool's items refer to it by name.
+        fixed = ("paused_flag", *self.worker_fields)
+        return ("name", *fixed) if obj is not None else fixed
+
+    def get_actions(
+        self, request: HttpRequest, action_location: Any = admin.ActionLocation.CHANGE_LIST
+    ) -> dict[str, Any]:
+        actions = super().get_actions(request, action_location=action_location)
+        # A pool is deleted one at a time, where its page can refuse it while items use it.
+        actions.pop("delete_selected", None)
+        return actions
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None and ItemClaim.objects.filter(pool=obj.name).unfinished().exists():
+            return False  # its unfinished items would wait for it forever
+        return super().has_delete_permission(request, obj)
+
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "pause_pool")
+
+    def save_model(self, request: HttpRequest, obj: CapacityPool, form: Any, change: bool) -> None:
+        # Never write back the token bucket or backoff read when the form was opened.
+        if change:
+            fields = [f for f in form.changed_data if f in self.editable_fields]
+            if fields:
+                obj.save(update_fields=[*fields, "updated_at"])
+            return
+        super().save_model(request, obj, form, change)
+
+    def read_page(self, request: HttpRequest, pools: list[CapacityPool]) -> None:
+        """Live leases, admissions in each pool's rate period and pending items: one query."""
+        if not pools:
+            return
+        now = timezone.now()
+        admitted = Q()
+        for pool in pools:
+            admitted |= Q(pool=pool.name, claimed_at__gte=now - timedelta(seconds=pool.rate_period))
+        live = Q(status=ItemStatus.RUNNING, lease_expires_at__gt=now)
+        rows: dict[str, dict[str, Any]] = {
+            r["pool"]: dict(r)
+            for r in ItemClaim.objects.filter(pool__in=[p.name for p in pools])
+            .filter(Q(status__in=(ItemStatus.RUNNING, ItemStatus.PENDING)) | admitted)
+            .values("pool")
+            .annotate(
+                in_flight=Count("pk", filter=live),
+                admitted=Count("pk", filter=admitted),
+                waiting=Count("pk", filter=Q(status=ItemStatus.PENDING)),
+            )
+            .order_by()
+        }
+        for pool in pools:
+            row = rows.get(pool.name, {})
+            pool.fanout_in_flight = row.get("in_flight", 0)  # type: ignore[attr-defined]
+            pool.fanout_admitted = row.get("admitted", 0)  # type: ignore[attr-defined]
+            pool.fanout_waiting = row.get("waiting", 0)  # type: ignore[attr-defined]
+            state = pool_state(pool.name, pool, pool.fanout_in_flight, now)  # type: ignore[attr-defined]
+            pool.fanout_reason = state.reason  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ columns
+
+    tokens_refilled = time_field("tokens_at", "tokens counted at")
+    backoff = time_field("backoff_until", "backing off until")
+    created = time_field("created_at", "created")
+    updated = time_field("updated_at", "updated")
+
+    @admin.display(description="state")
+    def state(self, pool: CapacityPool) -> str:
+        reason = getattr(pool, "fanout_reason", "")
+        css = "paused" if pool.paused else ("blocked" if reason else "admitting")
+        return format_html(
+            '<span class="fanout-badge fanout-pool-{}">{}</span>', css, reason or "admitting"
+        )
+
+    @admin.display(description="in flight")
+    def concurrency_gauge(self, pool: CapacityPool) -> str:
+        n = getattr(pool, "fanout_in_flight", 0)
+        return gauge(n, pool.max_concurrency, f"{n} / {pool.max_concurrency}")
+
+    @admin.display(description="admitted in the last period")
+    def admissions(self, pool: CapacityPool) -> str:
+        n = getattr(pool, "fanout_admitted", 0)
+        period = f"{pool.rate_period:g}s"
+        if pool.rate_count is None:
+            return f"{n} in {period} (no rate limit)"
+        label = f"{n} / {pool.rate_count} per {period}"
+        return gauge(min(n, pool.rate_count), pool.rate_count, label, pool.describe_rate())
+
+    @admin.display(description="pending items")
+    def waiting_items(self, pool: CapacityPool) -> str:
+        n = getattr(pool, "fanout_waiting", 0)
+        if not n:
+            return "0"
+        return format_html(
+            '<a href="{}">{}</a>', items_url(pool=pool.name, status="pending"), f"{n:,}"
+        )
+
+    @admin.display(description="paused", ordering="paused")
+    def paused_flag(self, pool: CapacityPool) -> str:
+        # Not the admin's boolean icon: its green tick would call a paused pool healthy.
+        return "paused" if pool.paused else ""
+
+    # ------------------------------------------------------------------ actions
+
+    @admin.action(description="Pause selected pools", permissions=["pause"], location=BOTH)
+    def pause_pools(self, request: HttpRequest, queryset: QuerySet[CapacityPool]) -> None:
+        count = queryset.filter(paused=False).update(paused=True, updated_at=timezone.now())
+        self.message_user(
+            request, f"Paused {plural(count, 'pool')}: they admit no new items.", messages.SUCCESS
+        )
+
+    @admin.action(description="Resume selected pools", permissions=["pause"], location=BOTH)
+    def resume_pools(self, request: HttpRequest, queryset: QuerySet[CapacityPool]) -> None:
+        count = queryset.filter(paused=True).update(paused=False, updated_at=timezone.now())
+        self.message_user(request, f"Resumed {plural(count, 'pool')}.", messages.SUCCESS)

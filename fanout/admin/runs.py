@@ -1,0 +1,351 @@
+"""Runs: a list with each run's progress and why it waits, a page that follows the run live
+(progress, failures by error class, the join, its pools), and retry, cancel and re-dispatch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.db.models import Exists, OuterRef, QuerySet
+from django.http import Http404, HttpRequest, JsonResponse
+from django.template.loader import render_to_string
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+
+from .. import recover
+from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of
+from ..text import human_duration, human_rate, last_line, plural
+from .common import (
+    BOTH,
+    CANCELLABLE_RUNS,
+    RETRYABLE_RUNS,
+    FanoutAdmin,
+    clipped,
+    gauge,
+    items_url,
+    json_block,
+    redispatch,
+    time_field,
+    timestamp,
+)
+
+ACTIVE_RUN_STATUSES = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
+POLL_MILLISECONDS = 2000
+
+
+def progress_payload(progress: Progress) -> dict[str, Any]:
+    """What the run page's poll needs to redraw its bar, counts and reasons."""
+    run = progress.run
+    return {
+        "run": run.pk,
+        "status": run.status,
+        "status_label": run.get_status_display(),
+        "active": run.status in ACTIVE_RUN_STATUSES,
+        "counts": progress.by_segment,
+        "total": progress.total,
+        "done": progress.done,
+        "percent_done": round(progress.percent_done, 1),
+        "segments": progress.segments(),
+        "rate": human_rate(progress.rate()),
+        "duration": human_duration(run.duration),
+        "waiting": progress.waiting,
+        "why": progress.why,
+        "stalled": progress.stalled,
+    }
+
+
+@admin.register(BatchRun)
+class BatchRunAdmin(FanoutAdmin):
+    list_display = (
+        "run_id",
+        "run_name",
+        "status_badge",
+        "progress_bar",
+        "started",
+        "duration_display",
+    )
+    list_display_links = ("run_id", "run_name")
+    list_filter = ("status", "definition", ("created_at", admin.DateFieldListFilter))
+    search_fields = ("run_key",)
+    search_help_text = "Search by run key."
+    actions = ("retry_failed_items", "cancel_runs", "redispatch_runs")
+    change_form_template = "fanout/admin/batchrun/change_form.html"
+    fieldsets = (
+        (
+            None,
+            {
+                "fields": (
+                    ("definition", "status"),
+                    "run_key",
+                    "params_display",
+                    ("max_parallel", "executor"),
+                    ("failure_policy", "join_mode"),
+                )
+            },
+        ),
+        ("Timing", {"fields": (("created", "started", "finished"),)}),
+        (
+            "Bookkeeping",
+            {
+                "classes": ("collapse",),
+                "fields": (
+                    ("total_items", "materialized_upto"),
+                    ("materialize_token", "materialize_lease_expires"),
+                    ("join_token", "join_lease_expires"),
+                ),
+            },
+        ),
+    )
+    # Only max_parallel is the operator's: the next claim of every worker obeys it.
+    readonly_fields = (
+        "definition",
+        "status",
+        "run_key",
+        "params_display",
+        "executor",
+        "failure_policy",
+        "join_mode",
+        "created",
+        "started",
+        "finished",
+        "total_items",
+        "materialized_upto",
+        "materialize_token",
+        "materialize_lease_expires",
+        "join_token",
+        "join_lease_expires",
+    )
+
+    class Media:
+        js = ("fanout/run_progress.js",)
+
+    def read_page(self, request: HttpRequest, runs: list[BatchRun]) -> None:
+        progress, _ = progress_of(runs, timezone.now())
+        for run in runs:
+            run.fanout_progress = progress[run.pk]  # type: ignore[attr-defined]
+
+    # Runs are created by starting a definition, and deleting one would list all its items.
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "retry_run")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "cancel_run")
+
+    def has_dispatch_permission(self, request: HttpRequest) -> bool:
+        return self.has_fanout_permission(request, "dispatch_run")
+
+    def get_urls(self) -> list:
+        progress = self.admin_site.admin_view(self.progress_view)
+        return [
+            path("<path:object_id>/progress/", progress, name="fanout_batchrun_progress"),
+            *super().get_urls(),
+        ]
+
+    def progress_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
+        """GET: the run's progress as JSON, for the poll on its change page."""
+        run = self.get_object(request, unquote(object_id))
+        if run is None:
+            raise Http404("no such run")
+        if not self.has_view_or_change_permission(request, run):
+            raise PermissionDenied
+        progress, _ = progress_of([run], timezone.now())
+        response = JsonResponse(progress_payload(progress[run.pk]))
+        response["Cache-Control"] = "no-store"
+        return response
+
+    def save_model(self, request: HttpRequest, obj: BatchRun, form: Any, change: bool) -> None:
+        # Write only what the operator changed: every other column belongs to the workers.
+        if change:
+            fields = [f for f in form.changed_data if f not in self.readonly_fields]
+            if fields:
+                obj.save(update_fields=fields)
+            return
+        super().save_model(request, obj, form, change)
+
+    # ------------------------------------------------------------------ columns
+
+    @admin.display(description="id", ordering="pk")
+    def run_id(self, run: BatchRun) -> str:
+        return f"#{run.pk}"
+
+    @admin.display(description="run", ordering="definition")
+    def run_name(self, run: BatchRun) -> str:
+        return format_html("{}{}", run.definition, clipped(run.run_key, "fanout-sub"))
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, run: BatchRun) -> str:
+        return format_html(
+            '<span class="fanout-badge fanout-{}">{}</span>', run.status, run.get_status_display()
+        )
+
+    @admin.display(description="progress")
+    def progress_bar(self, run: BatchRun) -> str:
+        progress: Progress = run.fanout_progress  # type: ignore[attr-defined]
+        return render_to_string(
+            "fanout/admin/run_progress_cell.html",
+            {
+                "progress": progress,
+                "counts": progress.by_segment,
+                "run": run,
+                "width": BAR_WIDTH,
+                "rate": human_rate(progress.rate()),
+            },
+        )
+
+    started = time_field("started_at", "started")
+    created = time_field("created_at", "created")
+    materialize_lease_expires = time_field(
+        "materialize_lease_expires_at", "materialize lease expires"
+    )
+    join_lease_expires = time_field("join_lease_expires_at", "join lease expires")
+
+    finished = time_field("finished_at", "finished")
+
+    @admin.display(description="duration")
+    def duration_display(self, run: BatchRun) -> str:
+        if run.finished_at is None:
+            return human_duration(run.duration)
+        same_day = run.started_at is not None and timezone.localdate(
+            run.started_at
+        ) == timezone.localdate(run.finished_at)
+        return format_html(
+            '{}<span class="fanout-sub">until {}</span>',
+            human_duration(run.duration),
+            timestamp(run.finished_at, time_only=same_day),
+        )
+
+    @admin.display(description="params")
+    def params_display(self, run: BatchRun) -> str:
+        return json_block(run.params)
+
+    # ------------------------------------------------------------------ change page
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: BatchRun | None = None,
+    ) -> Any:
+        if obj is not None:
+            context.update(self.summary(request, obj))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def summary(self, request: HttpRequest, run: BatchRun) -> dict[str, Any]:
+        """Everything the run's page shows above its fields, in a handful of queries."""
+        progress_by_run, states = progress_of([run], timezone.now())
+        progress = progress_by_run[run.pk]
+        counts = progress.by_segment
+        pools = []
+        for name, n in sorted(progress.pool_items.items()):
+            state = states[name]
+            limit = state.pool.max_concurrency if state.pool else 0
+            pools.append(
+                {
+                    "state": state,
+                    "items": n,
+                    "url": self._pool_url(state.pool),
+                    "gauge": gauge(state.in_flight, limit, f"{state.in_flight} / {limit}"),
+                }
+            )
+        return {
+            "run": run,
+            "progress": progress,
+            "counts": counts,
+            "bar_width": BAR_WIDTH,
+            "rate": human_rate(progress.rate()),
+            "duration": human_duration(run.duration),
+            "active": run.status in ACTIVE_RUN_STATUSES,
+            "poll_url": reverse("admin:fanout_batchrun_progress", args=[run.pk]),
+            "poll_ms": POLL_MILLISECONDS,
+            "items_url": items_url(run=run.pk),
+            "legend": [
+                {"status": s, "n": counts[s], "url": items_url(run=run.pk, status=s)}
+                for s in SEGMENTS
+            ],
+            "join_result_json": json.dumps(run.join_result, indent=2),
+            "failures": [
+                {
+                    "group": g,
+                    "error": last_line(g.example.error) if g.example else "",
+                    "url": items_url(run=run.pk, status="failed", error_class=g.error_class)
+                    if g.error_class
+                    else items_url(run=run.pk, status="failed"),
+                }
+                for g in failure_groups(run.pk)
+            ],
+            "pools": pools,
+            "buttons": self._buttons(request, run, counts["failed"]),
+            "action_field": f"{admin.ActionLocation.CHANGE_FORM.value}-action",
+        }
+
+    def _buttons(self, request: HttpRequest, run: BatchRun, failed: int) -> list[tuple]:
+        """The run page's action buttons its viewer may press: (action, label, confirmation)."""
+        actions = self.get_actions(request, action_location=admin.ActionLocation.CHANGE_FORM)
+        buttons = []
+        if "retry_failed_items" in actions and failed and run.status in RETRYABLE_RUNS:
+            buttons.append(("retry_failed_items", f"Retry {plural(failed, 'failed item')}", ""))
+        if "redispatch_runs" in actions and run.status == RunStatus.RUNNING:
+            buttons.append(("redispatch_runs", "Re-dispatch", ""))
+        if "cancel_runs" in actions and run.status in CANCELLABLE_RUNS:
+            confirm = "Cancel this run? Its pending items are cancelled; running ones finish."
+            buttons.append(("cancel_runs", "Cancel run", confirm))
+        return buttons
+
+    @staticmethod
+    def _pool_url(pool: CapacityPool | None) -> str:
+        if pool is None:
+            return ""
+        return reverse("admin:fanout_capacitypool_change", args=[pool.pk])
+
+    # ------------------------------------------------------------------ actions
+
+    @admin.action(description="Retry failed items", permissions=["retry"], location=BOTH)
+    def retry_failed_items(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
+        failed = ItemClaim.objects.filter(run=OuterRef("pk"), status=ItemStatus.FAILED)
+        runs = list(queryset.filter(status__in=RETRYABLE_RUNS).filter(Exists(failed)))
+        retried = 0
+        for run in runs:
+            count = recover.retry_failed(run)
+            retried += count
+            self.log_change(request, run, f"Retried {plural(count, 'failed item')}.")
+        self.message_user(
+            request,
+            f"{plural(retried, 'failed item')} of {plural(len(runs), 'run')} back to pending.",
+            messages.SUCCESS if retried else messages.WARNING,
+        )
+        redispatch(self, request, runs)
+
+    @admin.action(description="Cancel run", permissions=["cancel"], location=BOTH)
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
+        runs = list(queryset.filter(status__in=CANCELLABLE_RUNS))
+        cancelled_items = 0
+        for run in runs:
+            cancelled_items += recover.cancel_run(run)
+            self.log_change(request, run, "Cancelled.")
+        self.message_user(
+            request,
+            f"Cancelled {plural(len(runs), 'run')}: {plural(cancelled_items, 'pending item')} "
+            "cancelled; running items finish.",
+            messages.SUCCESS if runs else messages.WARNING,
+        )
+
+    @admin.action(description="Re-dispatch (wake workers)", permissions=["dispatch"], location=BOTH)
+    def redispatch_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
+        runs = list(queryset.filter(status=RunStatus.RUNNING))
+        if not runs:
+            self.message_user(request, "No running run selected.", messages.WARNING)
+        redispatch(self, request, runs)

@@ -1,0 +1,214 @@
+"""Why items are not running: held back (a retry not yet due, a pool that admits nothing),
+waiting their turn (the run's max_parallel, busy workers), or stalled (no live worker claims
+them). Decided here once, for the admin's pages, run_fanout's progress and its --json report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db.models import Count, Max, Q
+
+from .definition import get_definition
+from .errors import FanoutError
+from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from .pools import headroom, refill
+from .text import human_duration
+
+# Live workers claim the next item as they record the last and idle ones look again within
+# a second, so claimable items with nothing claimed for this long mean no worker is there.
+STALLED_AFTER = timedelta(seconds=15)
+RETRY_NOT_DUE = "retry not yet due"
+READY = "ready: the next free worker claims it"
+STALLED = "stalled:"  # how a reason that no worker will end by itself begins
+
+
+# ---------------------------------------------------------------------------------- pools
+
+
+@dataclass
+class PoolState:
+    """A pool as an operator sees it: its row, its live leases, and why it admits nothing."""
+
+    name: str
+    pool: CapacityPool | None
+    in_flight: int
+    reason: str  # "" while it has headroom
+
+    @property
+    def label(self) -> str:
+        return self.reason or "admitting"
+
+    @property
+    def short_reason(self) -> str:
+        """The reason without its time ("rate limited", not "rate limited until 10:00:01")."""
+        return self.reason.split(" until ")[0]
+
+
+def pool_states(names: Iterable[str] | None, now: datetime) -> dict[str, PoolState]:
+    """The named pools (every pool for None) and their state, in two queries for any number."""
+    pools_qs = CapacityPool.objects.all()
+    if names is not None:
+        wanted = sorted({n for n in names if n})
+        if not wanted:
+            return {}
+        pools_qs = pools_qs.filter(name__in=wanted)
+    pools = {p.name: p for p in pools_qs}
+    if names is None:
+        wanted = sorted(pools)
+    in_flight = dict(
+        ItemClaim.objects.in_flight(now)
+        .filter(pool__in=wanted)
+        .values("pool")
+        .annotate(n=Count("pk"))
+        .order_by()
+        .values_list("pool", "n")
+    )
+    return {name: pool_state(name, pools.get(name), in_flight.get(name, 0), now) for name in wanted}
+
+
+def pool_state(name: str, pool: CapacityPool | None, in_flight: int, now: datetime) -> PoolState:
+    """The pool's state given its live leases; its token bucket is brought up to ``now``."""
+    if pool is None:
+        return PoolState(name, None, in_flight, "pool missing")
+    refill(pool, now)
+    return PoolState(name, pool, in_flight, headroom(pool, in_flight, now).reason)
+
+
+# ----------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunActivity:
+    """What the claim side of a run looks like now, counted from its items."""
+
+    ready: int = 0  # pending, not held back: claimable now
+    expired: int = 0  # running, but the lease ran out: the owner is gone, claimable now
+    live: int = 0  # running under a live lease
+    last_claimed_at: datetime | None = None
+
+
+def may_stall(run: BatchRun, activity: RunActivity, now: datetime) -> bool:
+    """Whether the run has claimable items and nothing running for longer than a live worker
+    would leave them (then its last claim tells whether it stalled)."""
+    return (
+        run.status == RunStatus.RUNNING
+        and activity.live == 0
+        and activity.ready + activity.expired > 0
+        and (run.started_at is None or now - run.started_at >= STALLED_AFTER)
+    )
+
+
+def last_claims(run_ids: Iterable[int]) -> dict[int, datetime | None]:
+    """When each run last had an item claimed: one query, only for runs that may have stalled."""
+    ids = list(run_ids)
+    if not ids:
+        return {}
+    return dict(
+        ItemClaim.objects.filter(run_id__in=ids)
+        .values("run_id")
+        .annotate(last=Max("claimed_at"))
+        .order_by()
+        .values_list("run_id", "last")
+    )
+
+
+def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
+    """Why the run's claimable items are not running now; "" while workers take them as fast
+    as its limits allow, or when it has none (held items say why themselves)."""
+    if run.status == RunStatus.PENDING:
+        return f"writing its work list: {run.materialized_upto:,} items so far"
+    if run.status != RunStatus.RUNNING or activity.ready + activity.expired == 0:
+        return ""
+    if activity.live >= run.max_parallel:
+        return f"run at max_parallel ({activity.live}/{run.max_parallel})"
+    if activity.live:
+        return f"{activity.live} running, up to {run.max_parallel} allowed: no more workers free"
+    if not may_stall(run, activity, now):
+        return ""
+    return _stalled(run, activity, now)
+
+
+def _stalled(run: BatchRun, activity: RunActivity, now: datetime) -> str:
+    since = max(t for t in (activity.last_claimed_at, run.started_at) if t is not None)
+    if now - since < STALLED_AFTER:
+        return ""
+    idle = f"{STALLED} nothing running, no item claimed for {human_duration(now - since)}"
+    try:
+        definition = get_definition(run.definition)
+    except FanoutError:
+        return f"{idle}; definition {run.definition!r} is not registered, so no worker can run it"
+    if run.executor == "inline":
+        return (
+            f"{idle}; its inline workers are gone: resume it with "
+            f"`manage.py run_fanout --resume {run.pk}`"
+        )
+    return (
+        f"{idle}; no live worker takes its drain jobs: start "
+        f"`manage.py rqworker {definition.queue}`, "
+        "or re-dispatch it"
+    )
+
+
+# ---------------------------------------------------------------------------------- items
+
+
+def held_q(now: datetime) -> Q:
+    """Pending items held back now: a retry not yet due, or a pool that admits nothing."""
+    blocked = [s.name for s in pool_states(None, now).values() if s.reason]
+    held = Q(next_attempt_at__gt=now)
+    if blocked:
+        held |= Q(pool__in=blocked)
+    return Q(status=ItemStatus.PENDING) & held
+
+
+def pool_hold(pool: str, states: dict[str, PoolState]) -> str:
+    """Why due items of ``pool`` are held back now, in words that group them; "" if not."""
+    state = states.get(pool)
+    if state is not None and state.reason:
+        return f"{pool}: {state.short_reason}"
+    return ""
+
+
+def why_items_wait(items: list[ItemClaim], now: datetime) -> dict[int, tuple[str, bool]]:
+    """Why each of these pending items (their runs loaded) is not running, and whether it is
+    held back (a "waiting" item): in at most four queries for any number of items."""
+    if not items:
+        return {}
+    states = pool_states({i.pool for i in items}, now)
+    runs = {i.run_id: i.run for i in items}
+    live = dict(
+        ItemClaim.objects.in_flight(now)
+        .filter(run_id__in=list(runs))
+        .values("run_id")
+        .annotate(n=Count("pk"))
+        .order_by()
+        .values_list("run_id", "n")
+    )
+    # An item that is not held back is itself claimable: its run has one ready item at least.
+    activity = {pk: RunActivity(ready=1, live=live.get(pk, 0)) for pk in runs}
+    quiet = [pk for pk, a in activity.items() if may_stall(runs[pk], a, now)]
+    for pk, last in last_claims(quiet).items():
+        activity[pk].last_claimed_at = last
+    why = {pk: why_run_waits(run, activity[pk], now) for pk, run in runs.items()}
+    return {item.pk: _why_item_waits(item, now, states, why[item.run_id]) for item in items}
+
+
+def _why_item_waits(
+    item: ItemClaim, now: datetime, states: dict[str, PoolState], run_why: str
+) -> tuple[str, bool]:
+    """Why a pending item is not running, and whether it is held back; ``run_why`` is what
+    holds its run's claimable items."""
+    run = item.run
+    if run.status == RunStatus.PENDING:
+        return "its run is still writing items", False
+    if run.status != RunStatus.RUNNING:
+        return f"its run is {run.get_status_display().lower()}", False
+    if item.next_attempt_at > now:
+        return f"retry due in {human_duration(item.next_attempt_at - now)}", True
+    state = states.get(item.pool)
+    if state is not None and state.reason:
+        return f"{item.pool}: {state.reason}", True
+    return run_why or READY, False
