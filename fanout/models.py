@@ -65,7 +65,10 @@ class BatchRun(models.Model):
     join_token = models.UUIDField(null=True, blank=True)
     join_lease_expires_at = models.DateTimeField(null=True, blank=True)
     join_result = models.JSONField(null=True, blank=True)
-    join_runs = models.PositiveIntegerField(default=0)
+    join_runs = models.PositiveIntegerField(
+        default=0,
+        help_text="Calls of the join function: more than one after a crash, a raise or a retry.",
+    )
     # Joins that raised since the run last (re)opened: retried with backoff up to a limit.
     join_failures = models.PositiveIntegerField(default=0)
     error = models.TextField(blank=True)

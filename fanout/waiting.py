@@ -122,6 +122,9 @@ def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
         return f"writing its work list: {run.materialized_upto:,} items so far"
     if run.status != RunStatus.RUNNING or activity.ready + activity.expired == 0:
         return ""
+    if run.stalled and not activity.live:
+        # A worker said why it could not run it (see fanout.supervise): the surest reason.
+        return f"{STALLED} {run.stalled}"
     if activity.live >= run.max_parallel:
         return f"run at max_parallel ({activity.live}/{run.max_parallel})"
     if activity.live:

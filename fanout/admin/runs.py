@@ -95,8 +95,10 @@ class BatchRunAdmin(FanoutAdmin):
                 "classes": ("collapse",),
                 "fields": (
                     ("total_items", "materialized_upto"),
+                    ("in_flight", "stalled"),
                     ("materialize_token", "materialize_lease_expires"),
                     ("join_token", "join_lease_expires"),
+                    ("join_runs", "join_failures"),
                 ),
             },
         ),
@@ -119,6 +121,10 @@ class BatchRunAdmin(FanoutAdmin):
         "materialize_lease_expires",
         "join_token",
         "join_lease_expires",
+        "in_flight",
+        "stalled",
+        "join_runs",
+        "join_failures",
     )
 
     class Media:
