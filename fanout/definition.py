@@ -38,6 +38,25 @@ class Item:
         """Stable across attempts and workers: hand it to the provider to deduplicate."""
         return str(uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{self.run_id}:{self.key}"))
 
+    def spawn(self, definition: FanOut | str, params: Mapping[str, Any] | None = None) -> Spawn:
+        """Hand this item to a child run of ``definition``; return what the handler returns.
+
+        The item then waits for the child run: it succeeds with the child's join result, or
+        fails naming the child run. The child's run key comes from this run and this item's
+        key, so spawning again (after a crash, a retry) finds the same child.
+        """
+        name = definition.name if isinstance(definition, FanOut) else definition
+        get_definition(name)  # only registered definitions run
+        return Spawn(name, dict(params or {}))
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """A handler's answer that hands its item to a child run (see ``Item.spawn``)."""
+
+    definition: str
+    params: dict[str, Any]
+
 
 @dataclass(frozen=True)
 class Outcome:

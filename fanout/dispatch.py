@@ -50,8 +50,13 @@ class InlineExecutor:
             for i, d in enumerate(self.drains)
         ]
         self.outcomes: list[str] = []
-        # While it runs, this process also takes up runs nobody carries (fanout.supervise).
-        self.supervisor = Supervisor(f"fanout-supervisor-{run.pk}")
+        # While it runs, this process also takes up runs nobody carries (fanout.supervise);
+        # one supervisor is enough: a child run's executor (Item.spawn) has none of its own.
+        self.supervisor = (
+            Supervisor(f"fanout-supervisor-{run.pk}") if run.parent_item_id is None else None
+        )
+        self._running = len(self.threads)
+        self._count_lock = threading.Lock()
 
     def _thread_main(self, drain: Drain) -> None:
         try:
@@ -61,10 +66,22 @@ class InlineExecutor:
             self.outcomes.append("crashed")
         finally:
             connection.close()
+            with self._count_lock:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                # Nobody may ever join() a child run's executor: the last thread tidies up.
+                self._stop_helpers()
+
+    def _stop_helpers(self) -> None:
+        self.keeper.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     def start(self) -> InlineExecutor:
         self.keeper.start()
-        self.supervisor.start()
+        if self.supervisor is not None:
+            self.supervisor.start()
         for t in self.threads:
             t.start()
         return self
@@ -78,8 +95,7 @@ class InlineExecutor:
         for t in self.threads:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not self.alive:
-            self.keeper.stop()
-            self.supervisor.stop()
+            self._stop_helpers()
 
     def shutdown(self) -> None:
         """Stop claiming, let running items finish, release claimed ones not yet started."""
@@ -100,7 +116,36 @@ def dispatch(
 
         enqueue_drains(run, definition, workers)
         return None
-    return InlineExecutor(run, definition, workers).start()
+    if run.parent_item_id is not None:
+        with _children_lock:
+            handle = _children.get(run.pk)
+            if handle is None or not handle.alive:
+                handle = _children[run.pk] = InlineExecutor(run, definition, workers).start()
+    else:
+        handle = InlineExecutor(run, definition, workers).start()
+    _carry_children(run)
+    return handle
+
+
+# Inline executors of child runs this process started, so that a resume starts each once.
+_children: dict[int, InlineExecutor] = {}
+_children_lock = threading.Lock()
+
+
+def _carry_children(run: BatchRun) -> None:
+    """Inline: run the run's unfinished child runs here too (a resume, a retry-failed)."""
+    from .nest import open_children
+
+    for child in open_children([run.pk]):
+        if child.status != RunStatus.RUNNING:
+            continue
+        with _children_lock:
+            handle = _children.get(child.pk)
+            if handle is not None and handle.alive:
+                continue
+            definition = get_definition(child.definition)
+            _children[child.pk] = InlineExecutor(child, definition).start()
+        _carry_children(child)
 
 
 def prepare_run(

@@ -96,6 +96,10 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         join_lease_expires_at=None,
     )
     logger.info("run %s joined: %s %s", run_id, status, counts)
+    if run.parent_item_id is not None:
+        from .nest import settle_up
+
+        settle_up(run_id)
     return True
 
 

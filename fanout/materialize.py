@@ -38,6 +38,7 @@ def create_run(
     run_key: str | None,
     max_parallel: int | None = None,
     executor: str = "inline",
+    parent_item_id: int | None = None,
 ) -> tuple[BatchRun, bool]:
     """Return the run for ``run_key`` (default: name + params), creating it if it is new."""
     clean = definition.clean_params(params)
@@ -60,6 +61,7 @@ def create_run(
                 failure_policy=definition.failure_policy,
                 join_mode=definition.join_mode,
                 executor=executor,
+                parent_item_id=parent_item_id,
             )
         return run, True
     except IntegrityError:

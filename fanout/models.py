@@ -22,6 +22,7 @@ class RunStatus(models.TextChoices):
 class ItemStatus(models.TextChoices):
     PENDING = "pending"  # waiting to be claimed (possibly not before next_attempt_at)
     RUNNING = "running"  # claimed: owner holds claim_token until lease_expires_at
+    WAITING = "waiting"  # handed to a child run (Item.spawn): holds a run slot, no lease or pool
     SUCCEEDED = "succeeded"  # the handler returned; result holds its value
     FAILED = "failed"  # permanent error, attempts used up, or crash budget spent
     CANCELLED = "cancelled"  # the run was cancelled or failed fast before it was claimed
@@ -76,6 +77,14 @@ class BatchRun(models.Model):
     stalled = models.TextField(blank=True, default="")
     # Supervision: until when one worker has taken it up (the fleet's election).
     tended_until = models.DateTimeField(null=True, blank=True)
+    # A child run (Item.spawn): the item it decides. Its outcome becomes that item's.
+    parent_item = models.OneToOneField(
+        "ItemClaim",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="child_run",
+    )
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -137,8 +146,12 @@ class ItemClaimQuerySet(models.QuerySet["ItemClaim"]):
         return self.filter(status=ItemStatus.RUNNING, lease_expires_at__gt=_now(now))
 
     def running(self) -> ItemClaimQuerySet:
-        """Items that hold a slot of their run and pool: what the in_flight counters count."""
+        """Items that hold a slot of their pool (and of their run): running ones."""
         return self.filter(status=ItemStatus.RUNNING)
+
+    def holding_run_slots(self) -> ItemClaimQuerySet:
+        """What a run's in_flight counts: running items, and items waiting on a child run."""
+        return self.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING))
 
     def held(self, token: Any) -> ItemClaimQuerySet:
         """Items still held under ``token``: the fence of every write by an owner."""
@@ -148,7 +161,9 @@ class ItemClaimQuerySet(models.QuerySet["ItemClaim"]):
         return self.filter(status__in=TERMINAL_ITEM_STATUSES)
 
     def unfinished(self) -> ItemClaimQuerySet:
-        return self.filter(status__in=(ItemStatus.PENDING, ItemStatus.RUNNING))
+        return self.filter(
+            status__in=(ItemStatus.PENDING, ItemStatus.RUNNING, ItemStatus.WAITING)
+        )
 
 
 class ItemClaim(models.Model):

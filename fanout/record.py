@@ -108,6 +108,7 @@ def over_threshold(run_id: int, definition: FanOut) -> str:
     if reason:
         BatchRun.objects.filter(pk=run_id, error="").update(error=f"the run failed: {reason}")
         cancel_pending(run_id, f"cancelled: {reason}", error_class=FAILURE_THRESHOLD)
+        _cancel_children_later(run_id, f"cancelled: {reason}")
     return reason
 
 
@@ -120,4 +121,13 @@ def cancel_pending(run_id: int, reason: str, error_class: str = "Cancelled") -> 
 def fail_fast(run_id: int, key: str) -> int:
     """The run failed fast because ``key`` failed: cancel what nobody has claimed yet."""
     reason = f"cancelled: the run fails fast and item {key!r} failed"
-    return cancel_pending(run_id, reason, error_class=FAILED_FAST)
+    count = cancel_pending(run_id, reason, error_class=FAILED_FAST)
+    _cancel_children_later(run_id, reason)
+    return count
+
+
+def _cancel_children_later(run_id: int, reason: str) -> None:
+    """Cancel the run's unfinished child runs once the failure that stops it has committed."""
+    from .nest import cancel_children
+
+    transaction.on_commit(lambda: cancel_children(run_id, reason))

@@ -11,7 +11,7 @@ from django.db.models import QuerySet
 from . import transitions
 from .claim import lock_run
 from .clock import DbNow
-from .models import BatchRun, ItemClaim, RunStatus
+from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from .record import cancel_pending
 
 
@@ -22,11 +22,24 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     unrun) are touched, so a completed item never runs again and no live lease is disturbed.
     A finished run is reopened so its join runs again.
     """
+    from .nest import CHILD_FAILED
+
+    qs = (items if items is not None else ItemClaim.objects.all()).filter(run_id=run.pk)
+    # Items whose child run failed wait on it again, once its own failed items are reopened:
+    # the child's succeeded items never run again, at any depth.
+    children = list(
+        BatchRun.objects.filter(
+            parent_item__in=qs.filter(status=ItemStatus.FAILED, error_class=CHILD_FAILED)
+        ).exclude(status=RunStatus.SUCCEEDED)
+    )
+    for child in children:
+        retry_failed(child)
     with transaction.atomic():
         # Lock the run so a join cannot decide between our reopening and our items changing.
         lock_run(run.pk)
-        qs = (items if items is not None else ItemClaim.objects.all()).filter(run_id=run.pk)
-        count = transitions.reopen(qs)
+        rewait = [c.parent_item_id for c in children if c.status == RunStatus.RUNNING]
+        count = transitions.rewait(run.pk, rewait)
+        count += transitions.reopen(qs.exclude(pk__in=rewait))
         if count:
             BatchRun.objects.filter(pk=run.pk).exclude(status=RunStatus.PENDING).update(
                 status=RunStatus.RUNNING,
@@ -47,6 +60,11 @@ def cancel_run(run: BatchRun, reason: str = "cancelled by an operator") -> int:
             pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
         ).update(status=RunStatus.CANCELLED, finished_at=DbNow(), error=reason)
         count = cancel_pending(run.pk, reason) if updated else 0
+    if updated:
+        from .nest import cancel_children, settle_up
+
+        cancel_children(run.pk, reason)
+        settle_up(run.pk)
     run.refresh_from_db()
     return count
 

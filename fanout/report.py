@@ -235,6 +235,25 @@ def failure_groups(run_id: int, limit: int = FAILURE_GROUPS) -> list[FailureGrou
     return [FailureGroup(g["error_class"], g["n"], examples.get(g["example"])) for g in groups]
 
 
+def tree_report(run: BatchRun) -> dict[str, Any]:
+    """For a run with child runs (Item.spawn): how many runs its tree has and their items'
+    counts per status, summed over every level."""
+    from .nest import descendants
+
+    below = descendants(run.pk)
+    if not below:
+        return {}
+    rows = (
+        ItemClaim.objects.filter(run_id__in=[run.pk, *below])
+        .values("status")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+    counts = {s.value: 0 for s in ItemStatus}
+    counts.update({r["status"]: r["n"] for r in rows})
+    return {"tree": {"runs": 1 + len(below), "counts": counts}}
+
+
 def final_report(run: BatchRun) -> dict[str, Any]:
     """The report ``run_fanout --json`` prints: every outcome accounted for."""
     progress = snapshot(run)
@@ -248,7 +267,9 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         "run_key": run.run_key,
         "definition": run.definition,
         "status": run.status,
-        "counts": progress.counts,
+        # "waiting" (items waiting on a child run) only while there are any.
+        "counts": {s: n for s, n in progress.counts.items() if n or s != ItemStatus.WAITING},
+        **tree_report(run),
         "failed": [
             {"key": f["key"], "error": last_line(f["error"]) or f["error_class"]} for f in failed
         ],

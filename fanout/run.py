@@ -12,9 +12,17 @@ from typing import Any
 from django.utils import timezone
 
 from .conf import conf
-from .definition import FanOut, Item
-from .errors import PermanentError, Throttled
-from .transitions import FAILED, RETRY, SUCCEEDED, THROTTLED, ClaimedItem, ExecutionOutcome
+from .definition import FanOut, Item, Spawn
+from .errors import FanoutError, PermanentError, Throttled
+from .transitions import (
+    FAILED,
+    RETRY,
+    SPAWNED,
+    SUCCEEDED,
+    THROTTLED,
+    ClaimedItem,
+    ExecutionOutcome,
+)
 
 
 def backoff(definition: FanOut, attempt: int) -> float:
@@ -26,6 +34,23 @@ def backoff(definition: FanOut, attempt: int) -> float:
 def _describe(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc, limit=-6))
     return text[-4000:]
+
+
+def _spawned(
+    outcome: ExecutionOutcome, run_id: int, claimed: ClaimedItem, spawn: Spawn, began: float
+) -> ExecutionOutcome:
+    """The handler handed its item to a child run: start it (or find it) and wait for it."""
+    from .nest import start_child
+
+    try:
+        child = start_child(run_id, claimed, spawn)
+    except FanoutError as exc:
+        outcome.kind, outcome.error_class, outcome.error = FAILED, "SpawnFailed", str(exc)
+    else:
+        outcome.kind, outcome.result = SPAWNED, {"child_run": child.pk}
+    outcome.elapsed = time.monotonic() - began
+    outcome.finished_at = timezone.now()
+    return outcome
 
 
 def execute(
@@ -62,6 +87,8 @@ def execute(
         else:
             outcome.kind = FAILED
     else:
+        if isinstance(value, Spawn):
+            return _spawned(outcome, run_id, claimed, value, began)
         try:
             # Round-trip now so what is stored is exactly what the join will read back.
             outcome.result = json.loads(json.dumps(value))

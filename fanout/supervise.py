@@ -56,6 +56,9 @@ def tend(run_id: int) -> str:
     run = BatchRun.objects.filter(pk=run_id).first()
     if run is None or run.is_terminal:
         return "nothing: the run is over"
+    from .nest import resolve_waiting
+
+    resolve_waiting(run_id)  # children that ended while nobody decided their parent item
     unfinished = ItemClaim.objects.filter(run_id=run_id).unfinished().exists()
     if not unfinished:
         return "joined" if maybe_join(run_id) else "join held by another worker"

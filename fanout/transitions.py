@@ -36,6 +36,8 @@ SUCCEEDED, FAILED, RETRY, THROTTLED, RELEASED = (
     "throttled",
     "released",
 )
+# The handler handed its item to a child run: it waits, keeping its run slot (see nest.py).
+SPAWNED = "spawned"
 FAILED_FAST = "FailedFast"  # error_class of items cancelled because a fail_fast run failed
 # error_class of items cancelled because the run's failures crossed max_failures or its rate
 FAILURE_THRESHOLD = "FailureThreshold"
@@ -97,7 +99,7 @@ def recount(run_id: int) -> int:
     """Set the run's counter from its rows (under the run's lock); return the new value."""
     with transaction.atomic():
         list(BatchRun.objects.filter(pk=run_id).select_for_update().values_list("pk"))
-        count = ItemClaim.objects.filter(run_id=run_id).running().count()
+        count = ItemClaim.objects.filter(run_id=run_id).holding_run_slots().count()
         BatchRun.objects.filter(pk=run_id).update(in_flight=count)
     return count
 
@@ -194,8 +196,11 @@ def _lock_held(items: QuerySet[ItemClaim]) -> list[tuple[int, int, str]]:
     return list(items.running().select_for_update().values_list("pk", "run_id", "pool"))
 
 
-def _leave(rows: list[tuple[int, int, str]]) -> None:
-    _adjust(Counter(run_id for _, run_id, _ in rows), Counter(pool for _, _, pool in rows), -1)
+def _leave(rows: list[tuple[int, int, str]], keep_run_slot: Iterable[int] = ()) -> None:
+    """Give up the rows' slots; those in ``keep_run_slot`` keep their run's (they wait)."""
+    keep = set(keep_run_slot)
+    runs = Counter(run_id for pk, run_id, _ in rows if pk not in keep)
+    _adjust(runs, Counter(pool for _, _, pool in rows), -1)
 
 
 def release(items: QuerySet[ItemClaim], after: float = 0.0) -> int:
@@ -256,7 +261,7 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         if not mine:
             return []
         _write_outcomes(mine)
-        _leave(rows)
+        _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
     return [o.pk for o in mine]
 
 
@@ -279,6 +284,8 @@ def _write_outcomes(outcomes: Sequence[ExecutionOutcome]) -> None:
                 )
         if kind in (SUCCEEDED, FAILED):
             items.update(status=kind, claim_token=None, lease_expires_at=None)
+        if kind == SPAWNED:
+            items.update(status=ItemStatus.WAITING, claim_token=None, lease_expires_at=None)
         rows = [
             ItemClaim(
                 pk=o.pk,
@@ -290,6 +297,8 @@ def _write_outcomes(outcomes: Sequence[ExecutionOutcome]) -> None:
             for o in group
         ]
         fields = ["error", "error_class", "finished_at"]
+        if kind == SPAWNED:
+            fields = ["error", "error_class"]
         _write_values(rows, ["result", *fields] if kind == SUCCEEDED else fields)
 
 
@@ -368,6 +377,19 @@ def cancel_pending(
     return items.filter(status=ItemStatus.PENDING).update(
         status=ItemStatus.CANCELLED, finished_at=DbNow(), error=reason, error_class=error_class
     )
+
+
+def rewait(run_id: int, pks: Sequence[int]) -> int:
+    """Failed items whose child run was reopened wait on it again, taking back a run slot.
+
+    The caller holds the run's lock."""
+    if not pks:
+        return 0
+    n = ItemClaim.objects.filter(pk__in=pks, status=ItemStatus.FAILED).update(
+        status=ItemStatus.WAITING, finished_at=None, error="", error_class=""
+    )
+    _adjust(Counter({run_id: n}), Counter(), +1)
+    return n
 
 
 def reopen(items: QuerySet[ItemClaim]) -> int:

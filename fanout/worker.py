@@ -22,10 +22,12 @@ from .definition import FanOut
 from .join import maybe_join
 from .lease import LeaseKeeper
 from .models import FailurePolicy, ItemClaim
+from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
 from .transitions import (
     RELEASED,
+    SPAWNED,
     SUCCEEDED,
     ClaimedItem,
     ExecutionOutcome,
@@ -284,6 +286,11 @@ class Drain:
         if reclaimed is not None:
             freed.subtract(Counter(item.pool for item in reclaimed))
         wake(sum(n for n in freed.values() if n > 0))
+        for o in outcomes:
+            if o.kind == SPAWNED:
+                # The child may have ended before its parent item was waiting: decide it now.
+                child = o.result["child_run"]
+                self._db(lambda child=child: settle_up(child))
         return recorded
 
     def _idle(self, result: ClaimResult) -> None:

@@ -89,7 +89,18 @@ class ItemClaimAdmin(FanoutAdmin):
     ordering = ("run_id", "index")
     actions = ("retry_items", "cancel_items", "force_release_leases")
     fieldsets = (
-        (None, {"fields": (("key", "index"), "run", ("status", "pool"), "payload_display")}),
+        (
+            None,
+            {
+                "fields": (
+                    ("key", "index"),
+                    "run",
+                    ("status", "pool"),
+                    "child_run_link",
+                    "payload_display",
+                )
+            },
+        ),
         (
             "Claim",
             {
@@ -156,6 +167,15 @@ class ItemClaimAdmin(FanoutAdmin):
         return self.has_fanout_permission(request, "force_release_item")
 
     # ------------------------------------------------------------------ columns
+
+    @admin.display(description="child run")
+    def child_run_link(self, item: ItemClaim) -> str:
+        """The run this item handed its work to (Item.spawn), if any."""
+        child = BatchRun.objects.filter(parent_item=item).values_list("pk", "definition").first()
+        if child is None:
+            return "-"
+        url = reverse("admin:fanout_batchrun_change", args=[child[0]])
+        return format_html('<a href="{}">#{} {}</a>', url, child[0], child[1])
 
     @admin.display(description="run", ordering="run_id")
     def run_link(self, item: ItemClaim) -> str:

@@ -18,7 +18,7 @@ from django.utils.html import format_html
 
 from .. import recover
 from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
-from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of
+from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of, tree_report
 from ..text import human_duration, human_rate, last_line, plural
 from .common import (
     BOTH,
@@ -82,6 +82,7 @@ class BatchRunAdmin(FanoutAdmin):
                 "fields": (
                     ("definition", "status"),
                     "run_key",
+                    ("parent_link", "tree_counts"),
                     "params_display",
                     ("max_parallel", "executor"),
                     ("failure_policy", "join_mode"),
@@ -105,6 +106,8 @@ class BatchRunAdmin(FanoutAdmin):
     )
     # Only max_parallel is the operator's: the next claim of every worker obeys it.
     readonly_fields = (
+        "parent_link",
+        "tree_counts",
         "definition",
         "status",
         "run_key",
@@ -129,6 +132,25 @@ class BatchRunAdmin(FanoutAdmin):
 
     class Media:
         js = ("fanout/run_progress.js",)
+
+    @admin.display(description="parent item")
+    def parent_link(self, run: BatchRun) -> str:
+        """The item of another run that handed its work to this one (Item.spawn)."""
+        if run.parent_item_id is None:
+            return "-"
+        item = run.parent_item
+        assert item is not None
+        url = reverse("admin:fanout_itemclaim_change", args=[item.pk])
+        return format_html('<a href="{}">{} of run #{}</a>', url, item.key, item.run_id)
+
+    @admin.display(description="its tree")
+    def tree_counts(self, run: BatchRun) -> str:
+        """Runs below this one, and their items per status, summed over every level."""
+        tree = tree_report(run).get("tree")
+        if tree is None:
+            return "-"
+        counts = ", ".join(f"{n:,} {s}" for s, n in tree["counts"].items() if n)
+        return f"{tree['runs']} runs: {counts}"
 
     def read_page(self, request: HttpRequest, runs: list[BatchRun]) -> None:
         progress, _ = progress_of(runs, timezone.now())

@@ -101,3 +101,60 @@ thresholds: dict[str, Any] = dict(
 )
 FanOut("slots_max_failures", max_failures=5, failure_policy="collect", **thresholds)
 FanOut("slots_failure_rate", max_failure_rate=0.1, failure_policy="tolerate", **thresholds)
+
+
+# Nested runs, three levels: orgs -> repos -> files. Each handler notes its execution.
+def sync_file(item: Item) -> dict[str, Any]:
+    """A leaf; ``broken``: [[org, repo, file], ...] fail on their first execution only."""
+    from fanout import PermanentError
+
+    from .models import Execution
+
+    timed(item)
+    where = [item.params.get("org"), item.params.get("repo"), item.payload]
+    first = Execution.objects.filter(run_id=item.run_id, key=item.key).count() == 1
+    if first and where in item.params.get("broken", []):
+        raise PermanentError(f"file {where} is broken this time")
+    return {"file": item.payload}
+
+
+def sync_repo(item: Item) -> Any:
+    timed(item)
+    return item.spawn(
+        "nest_files",
+        params={**item.params, "repo": item.payload, "n": int(item.params.get("files", 3))},
+    )
+
+
+def sync_org(item: Item) -> Any:
+    timed(item)
+    return item.spawn("nest_repos", params={**item.params, "org": item.payload})
+
+
+def count_children(outcomes: Any) -> dict[str, Any]:
+    seen = list(outcomes)
+    return {"items": len(seen), "succeeded": sum(o.succeeded for o in seen)}
+
+
+nested: dict[str, Any] = dict(
+    over=lambda p: range(int(p.get("n", 3))), join=count_children, lease_seconds=3
+)
+FanOut("nest_files", key=lambda i: f"f{i}", do=sync_file, max_parallel=4, **nested)
+FanOut(
+    "nest_repos",
+    over=lambda p: range(int(p.get("repos", 3))),
+    key=lambda i: f"r{i}",
+    do=sync_repo,
+    max_parallel=2,
+    join=count_children,
+    lease_seconds=3,
+)
+FanOut(
+    "nest_orgs",
+    over=lambda p: range(int(p.get("orgs", 3))),
+    key=lambda i: f"o{i}",
+    do=sync_org,
+    max_parallel=2,
+    join=count_children,
+    lease_seconds=3,
+)
