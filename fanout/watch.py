@@ -7,8 +7,9 @@ elsewhere (a log, a pipe) the same line as plain text, once per interval.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import IO, cast
 
+from django.core.management.base import OutputWrapper
 from rich.console import Console
 from rich.live import Live
 from rich.progress import (
@@ -35,7 +36,7 @@ _ORDER = (
 class _Stream:
     """A file for rich over a Django OutputWrapper, which would end every write with a newline."""
 
-    def __init__(self, out: Any) -> None:
+    def __init__(self, out: OutputWrapper) -> None:
         self.out = out
 
     def write(self, text: str) -> int:
@@ -50,11 +51,10 @@ class Progress:
     """Redraws one line in place on a TTY; elsewhere prints a plain line every ``every`` s."""
 
     def __init__(
-        self, out: Any, isatty: bool, every: float = 2.0, width: int | None = None
+        self, out: OutputWrapper, isatty: bool, every: float = 2.0, width: int | None = None
     ) -> None:
-        stream = _Stream(out) if hasattr(out, "style_func") else out
         self.console = Console(
-            file=stream,
+            file=cast(IO[str], _Stream(out)),
             force_terminal=isatty,
             force_interactive=isatty,
             width=width or (None if isatty else 100_000),  # a log's lines are never cut
