@@ -115,16 +115,19 @@ def spawn_manage(
     env: dict[str, str],
     ready: Path | None = None,
     go: Path | None = None,
+    python: str | Path = PYTHON,
+    cwd: Path = ROOT,
 ) -> subprocess.Popen[str]:
-    """Start ``manage.py ARGS``; with ``ready``/``go`` it waits at the barrier first."""
+    """Start ``manage.py ARGS`` (of the project in ``cwd``, with ``python``); with
+    ``ready``/``go`` it waits at the barrier first."""
     if ready is None or go is None:
-        command = [PYTHON, "manage.py", *args]
+        command = [str(python), "manage.py", *args]
     else:
         command = [PYTHON, "-m", "tests.procs", "manage", "--ready", str(ready), "--go", str(go)]
         command += ["--", *args]
     return subprocess.Popen(
         command,
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

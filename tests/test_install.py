@@ -28,7 +28,7 @@ import pytest
 from redis import Redis
 from redis.exceptions import RedisError
 
-from tests.procs import ROOT
+from tests.procs import ROOT, finish, spawn_manage
 
 pytestmark = pytest.mark.install
 
@@ -282,15 +282,7 @@ def test_a_new_project_that_follows_the_readme_migrates_checks_serves_the_admin_
     )
     assert (inline["status"], inline["counts"]["succeeded"]) == ("succeeded", ITEMS)
 
-    worker = subprocess.Popen(
-        [python, "manage.py", "rqworker", "fanout"],
-        cwd=project,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    worker = spawn_manage(["rqworker", "fanout"], env, python=python, cwd=project)
     try:
         by_rq = json.loads(
             run(
@@ -303,7 +295,7 @@ def test_a_new_project_that_follows_the_readme_migrates_checks_serves_the_admin_
         )
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
-        _, worker_log = worker.communicate(timeout=60)
+        _, _, worker_log = finish(worker)
     assert (by_rq["status"], by_rq["counts"]["succeeded"]) == ("succeeded", ITEMS), worker_log
 
     statuses = json.loads(run([python, "-c", ADMIN_PAGES], project, env))
