@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import dj_database_url
 import django
 import psycopg
 import pytest
@@ -224,25 +225,10 @@ def new_project(bin_dir: Path, where: Path, database_url: str, redis_url: str) -
         + readme_settings()
         + "\n# ---- this test's own: its app, a fresh database, its Redis database\n"
         + 'INSTALLED_APPS += ["shop"]\n'
-        + f"DATABASES = {{'default': {postgres_settings(database_url)!r}}}\n"
+        + f"DATABASES = {{'default': {dj_database_url.parse(database_url)!r}}}\n"
         + f'RQ_QUEUES["fanout"]["URL"] = {redis_url!r}\n'
     )
     return where
-
-
-def postgres_settings(url: str) -> dict[str, str]:
-    rest = url.split("://", 1)[1]
-    auth, hostpath = rest.rsplit("@", 1)
-    hostport, name = hostpath.split("/", 1)
-    host, _, port = hostport.partition(":")
-    return {
-        "ENGINE": "django.db.backends.postgresql",
-        "NAME": name,
-        "USER": auth.split(":")[0],
-        "PASSWORD": auth.split(":", 1)[1] if ":" in auth else "",
-        "HOST": host,
-        "PORT": port,
-    }
 
 
 def test_a_new_project_that_follows_the_readme_migrates_checks_serves_the_admin_and_runs(
