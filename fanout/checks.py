@@ -44,13 +44,15 @@ def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     from django.conf import settings
 
     queues = getattr(settings, "RQ_QUEUES", None)
-    if queues is None:
-        return []  # the inline executor needs no RQ
     if not isinstance(queues, dict) or conf.QUEUE not in queues:
+        # A warning, not an error: the inline executor works without RQ.
+        what = (
+            "RQ_QUEUES is not set" if queues is None else f"RQ_QUEUES has no {conf.QUEUE!r} queue"
+        )
         return [
             Warning(
-                f"RQ_QUEUES has no {conf.QUEUE!r} queue: run_fanout --executor rq cannot dispatch",
-                hint=f'add "{conf.QUEUE}": {{"URL": REDIS_URL}} to RQ_QUEUES',
+                f"{what}: run_fanout --executor rq and start(executor='rq') cannot dispatch",
+                hint=f'add "{conf.QUEUE}": {{"URL": "redis://127.0.0.1:6379/0"}} to RQ_QUEUES',
                 id="fanout.W001",
             )
         ]
@@ -103,3 +105,55 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 )
             )
     return problems
+
+
+@register("fanout")
+def check_rq_worker(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """Drain jobs are JSON: a worker that reads jobs with pickle fails every one of them."""
+    from django.conf import settings
+
+    queues = getattr(settings, "RQ_QUEUES", None)
+    if not isinstance(queues, dict) or conf.QUEUE not in queues:
+        return []  # W001 already says RQ is not set up
+    path = (getattr(settings, "RQ", None) or {}).get("WORKER_CLASS")
+    hint = (
+        'set RQ = {"WORKER_CLASS": "fanout.rq.FanoutWorker"}, or start every worker with '
+        "--worker-class fanout.rq.FanoutWorker (or --serializer rq.serializers.JSONSerializer)"
+    )
+    try:
+        from django.utils.module_loading import import_string
+
+        from .rq import FanoutWorker
+
+        worker_class = import_string(path) if isinstance(path, str) else path
+    except ImportError as exc:
+        return [
+            Warning(f"RQ['WORKER_CLASS'] cannot be imported: {exc}", hint=hint, id="fanout.W005")
+        ]
+    if isinstance(worker_class, type) and issubclass(worker_class, FanoutWorker):
+        return []
+    return [
+        Warning(
+            f"`manage.py rqworker {conf.QUEUE}` starts {path or 'rq.Worker'}, which reads jobs "
+            "with pickle: every fanout drain job (JSON) would fail with DeserializationError",
+            hint=hint,
+            id="fanout.W005",
+        )
+    ]
+
+
+@register(Tags.admin)
+def check_admin_needs(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """The admin's item list renders django-filter's widgets from its templates."""
+    from django.apps import apps
+
+    if not apps.is_installed("django.contrib.admin") or apps.is_installed("django_filters"):
+        return []
+    return [
+        Error(
+            "fanout's admin needs django_filters in INSTALLED_APPS: without it the item list "
+            "fails with TemplateDoesNotExist: django_filters/widgets/multiwidget.html",
+            hint='add "django_filters" to INSTALLED_APPS',
+            id="fanout.E004",
+        )
+    ]

@@ -8,10 +8,8 @@ Configuration comes from the environment:
 
 import os
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
 
-from django.core.exceptions import ImproperlyConfigured
+import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -30,82 +28,22 @@ ALLOWED_HOSTS: list[str] = (
 
 # ------------------------------------------------------------------ database
 
-_SQLITE_OPTIONS = {
-    "transaction_mode": "IMMEDIATE",
-    "timeout": 20,
-    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-}
-
-_ENGINES = {
-    "postgres": "django.db.backends.postgresql",
-    "postgresql": "django.db.backends.postgresql",
-    "pgsql": "django.db.backends.postgresql",
-    "mysql": "django.db.backends.mysql",
-}
-
-
-def parse_database_url(url: str, base_dir: Path = BASE_DIR) -> dict[str, Any]:
-    """Turn a database URL into a Django DATABASES entry.
-
-    As in dj-database-url: sqlite:///relative/path is relative to base_dir,
-    sqlite:////abs/path (four slashes) is absolute, sqlite://:memory: is in memory.
-    postgres://, postgresql:// and mysql:// take user:password@host:port/name, and
-    query parameters become OPTIONS.
-    """
-    scheme, sep, rest = url.partition("://")
-    scheme = scheme.lower()
-    if not sep:
-        raise ImproperlyConfigured(
-            f"DATABASE_URL {url!r} is not a URL: use sqlite:///path, "
-            "postgres://user:pass@host:port/name or mysql://user:pass@host:port/name"
-        )
-
-    if scheme == "sqlite":
-        path = rest.split("?", 1)[0]
-        if path in {":memory:", "/:memory:"}:
-            name: str = ":memory:"
-        else:
-            if path.startswith("/"):
-                path = path[1:]  # sqlite:///x -> "x"; sqlite:////abs -> "/abs"
-            if not path:
-                raise ImproperlyConfigured(f"DATABASE_URL {url!r} names no SQLite file")
-            p = Path(unquote(path))
-            name = str(p if p.is_absolute() else base_dir / p)
-        return {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": name,
-            "OPTIONS": dict(_SQLITE_OPTIONS),
-        }
-
-    engine = _ENGINES.get(scheme)
-    if engine is None:
-        raise ImproperlyConfigured(
-            f"DATABASE_URL scheme {scheme!r} is not supported: "
-            "use sqlite://, postgres:// (or postgresql://) or mysql://"
-        )
-    parts = urlsplit(url)
-    config: dict[str, Any] = {
-        "ENGINE": engine,
-        "NAME": unquote(parts.path.lstrip("/")),
-        "USER": unquote(parts.username or ""),
-        "PASSWORD": unquote(parts.password or ""),
-        "HOST": parts.hostname or "",
-        "PORT": str(parts.port or ""),
-    }
-    options = dict(parse_qsl(parts.query))
-    if options:
-        config["OPTIONS"] = options
-    if engine == "django.db.backends.postgresql":
-        config["CONN_HEALTH_CHECKS"] = True
-        test_name = os.environ.get("FANOUT_TEST_DATABASE_NAME")
-        if test_name:
-            config["TEST"] = {"NAME": test_name}
-    return config
-
-
 DATABASE_URL = os.environ.get("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}"
 
-DATABASES = {"default": parse_database_url(DATABASE_URL)}
+# dj-database-url reads sqlite:///relative (to the working directory), sqlite:////absolute,
+# postgres://, mysql:// (MariaDB too), with query parameters as OPTIONS.
+DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_health_checks=True)}
+
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Serialised writers that readers do not block: what fanout's threads need (check W004).
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        **DATABASES["default"].get("OPTIONS", {}),
+    }
+if os.environ.get("FANOUT_TEST_DATABASE_NAME"):
+    DATABASES["default"]["TEST"] = {"NAME": os.environ["FANOUT_TEST_DATABASE_NAME"]}
 
 
 # --------------------------------------------------------------------- redis

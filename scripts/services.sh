@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Make sure the PostgreSQL and Redis servers that the tests use are reachable.
-# Reads DATABASE_URL (default postgres://root@127.0.0.1:5432/test) and REDIS_URL
-# (default redis://127.0.0.1:6379/0). Starts a local server when one is installed but
-# not running, creates the test database when it is missing, and exits 1 with a clear
-# message when a service cannot be reached.
+# Make sure the database server (PostgreSQL or MariaDB/MySQL) and the Redis server that the
+# tests use are reachable. Reads DATABASE_URL (default postgres://root@127.0.0.1:5432/test;
+# mysql://root@127.0.0.1:3306/test for MariaDB) and REDIS_URL (default
+# redis://127.0.0.1:6379/0). Starts a local server when one is installed but not running,
+# creates the database named in the URL when it is missing, and exits 1 with a clear message
+# when a service cannot be reached.
 set -uo pipefail
 
 DATABASE_URL=${DATABASE_URL:-postgres://root@127.0.0.1:5432/test}
@@ -55,13 +56,6 @@ wait_for() {
 
 # ---------------------------------------------------------------- PostgreSQL
 check_postgres() {
-    case "$DATABASE_URL" in
-        postgres://* | postgresql://*) ;;
-        *)
-            echo "services: DATABASE_URL is not PostgreSQL; skipping the PostgreSQL check"
-            return 0
-            ;;
-    esac
     parse_url "$DATABASE_URL"
     local host=${URL_HOST:-127.0.0.1} port=${URL_PORT:-5432} dbname=${URL_PATH}
     local where="$host:$port"
@@ -99,6 +93,50 @@ check_postgres() {
     echo "services: PostgreSQL ok at $where/$dbname"
 }
 
+# ------------------------------------------------------------- MariaDB/MySQL
+# Split the user and password out of DATABASE_URL into URL_USER and URL_PASSWORD.
+parse_userinfo() {
+    local rest=${1#*://}
+    local userinfo=""
+    [[ ${rest%%/*} == *@* ]] && userinfo=${rest%%@*}
+    URL_USER=${userinfo%%:*}
+    URL_PASSWORD=""
+    [[ $userinfo == *:* ]] && URL_PASSWORD=${userinfo#*:}
+}
+
+mysql_ping() {
+    MYSQL_PWD=$URL_PASSWORD mysqladmin --protocol=tcp -h "$1" -P "$2" -u "${URL_USER:-root}" ping
+}
+
+check_mysql() {
+    parse_url "$DATABASE_URL"
+    parse_userinfo "$DATABASE_URL"
+    local host=${URL_HOST:-127.0.0.1} port=${URL_PORT:-3306} dbname=${URL_PATH}
+    local where="$host:$port"
+
+    command -v mysqladmin >/dev/null 2>&1 ||
+        fail "mysqladmin not found: install the MariaDB client (apt-get install mariadb-client) or mariadb-server"
+
+    if ! mysql_ping "$host" "$port" >/dev/null 2>&1; then
+        if is_local "$host" && [ -x /usr/sbin/mariadbd ] && command -v start-stop-daemon >/dev/null 2>&1; then
+            echo "services: starting MariaDB"
+            install -d -o mysql -g mysql /run/mysqld 2>/dev/null || true
+            start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd ||
+                echo "services: start-stop-daemon could not start mariadbd" >&2
+            wait_for 30 mysql_ping "$host" "$port" || true
+        fi
+    fi
+    mysql_ping "$host" "$port" >/dev/null 2>&1 ||
+        fail "MariaDB/MySQL is not reachable at $where and no local server could be started: install mariadb-server or set DATABASE_URL"
+
+    if [ -n "$dbname" ]; then
+        MYSQL_PWD=$URL_PASSWORD mysql --protocol=tcp -h "$host" -P "$port" -u "${URL_USER:-root}" \
+            -e "CREATE DATABASE IF NOT EXISTS \`$dbname\` CHARACTER SET utf8mb4" ||
+            fail "could not create database $dbname at $where: create it, or set DATABASE_URL"
+    fi
+    echo "services: MariaDB/MySQL ok at $where/$dbname"
+}
+
 # --------------------------------------------------------------------- Redis
 redis_ping() {
     [ "$(redis-cli -u "$REDIS_URL" ping 2>/dev/null)" = "PONG" ]
@@ -125,5 +163,9 @@ check_redis() {
     echo "services: Redis ok at $where"
 }
 
-check_postgres
+case "$DATABASE_URL" in
+    postgres://* | postgresql://*) check_postgres ;;
+    mysql://*) check_mysql ;;
+    *) echo "services: DATABASE_URL is neither PostgreSQL nor MySQL; no database server to check" ;;
+esac
 check_redis

@@ -17,14 +17,16 @@ from tests.testapp.models import Execution
 
 @pytest.fixture
 def database_url(django_db_setup: Any, django_db_blocker: Any) -> str:
-    """A DATABASE_URL that points a child process at this test run's PostgreSQL database."""
+    """A DATABASE_URL that points a child process at this test run's database (PostgreSQL or
+    MariaDB/MySQL; the SQLite tests start their children on files of their own)."""
     from django.db import connection
 
-    s = connection.settings_dict
-    if s["ENGINE"] != "django.db.backends.postgresql":
-        pytest.skip("these tests run on PostgreSQL")
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+    from tests.procs import database_url_of
+
+    url = database_url_of(connection.settings_dict)
+    if url is None:
+        pytest.skip("child processes need PostgreSQL or MariaDB/MySQL")
+    return url
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -42,6 +43,45 @@ def peak_rss_kb() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+_SCHEMES = {
+    "django.db.backends.postgresql": ("postgres", 5432),
+    "django.db.backends.mysql": ("mysql", 3306),
+}
+
+
+def database_url_of(settings_dict: dict[str, Any]) -> str | None:
+    """The DATABASE_URL of a connection's settings (its test database once set up), for a
+    child process; None for a backend whose children could not share it (SQLite in memory)."""
+    scheme, default_port = _SCHEMES.get(settings_dict["ENGINE"], (None, 0))
+    if scheme is None:
+        return None
+    user = quote(settings_dict["USER"] or "", safe="")
+    password = quote(settings_dict["PASSWORD"] or "", safe="")
+    auth = user + (f":{password}" if password else "")
+    host = settings_dict["HOST"] or "127.0.0.1"
+    port = settings_dict["PORT"] or default_port
+    return f"{scheme}://{auth}@{host}:{port}/{quote(settings_dict['NAME'], safe='')}"
+
+
+def other_sessions() -> int:
+    """Sessions open on the test database other than this test's own (PostgreSQL, MariaDB)."""
+    from django.db import connection
+
+    if connection.vendor == "mysql":
+        query = (
+            "SELECT count(*) FROM information_schema.processlist"
+            " WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+        )
+    else:
+        query = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(query)
+        return cursor.fetchone()[0]
 
 
 def child_env(database_url: str, **extra: str) -> dict[str, str]:
@@ -75,16 +115,19 @@ def spawn_manage(
     env: dict[str, str],
     ready: Path | None = None,
     go: Path | None = None,
+    python: str | Path = PYTHON,
+    cwd: Path = ROOT,
 ) -> subprocess.Popen[str]:
-    """Start ``manage.py ARGS``; with ``ready``/``go`` it waits at the barrier first."""
+    """Start ``manage.py ARGS`` (of the project in ``cwd``, with ``python``); with
+    ``ready``/``go`` it waits at the barrier first."""
     if ready is None or go is None:
-        command = [PYTHON, "manage.py", *args]
+        command = [str(python), "manage.py", *args]
     else:
         command = [PYTHON, "-m", "tests.procs", "manage", "--ready", str(ready), "--go", str(go)]
         command += ["--", *args]
     return subprocess.Popen(
         command,
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

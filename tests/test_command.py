@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 from io import StringIO
 from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.core.management.base import OutputWrapper
 
 from fanout.definition import registered
 from fanout.models import BatchRun, RunStatus
+from fanout.report import Snapshot
+from fanout.watch import Progress
 from tests import procs
 from tests.conftest import executions, keys
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 REQUIRED_KEYS = {"run_id", "run_key", "status", "counts", "failed", "join_result"}
-ALLOWED_KEYS = REQUIRED_KEYS | {"definition", "error"}
+ALLOWED_KEYS = REQUIRED_KEYS | {"definition", "error", "notes"}
 
 
 def run_command(*args: str) -> tuple[int, dict[str, Any]]:
@@ -81,6 +85,55 @@ def test_declared_params_given_on_the_command_line_are_converted() -> None:
     assert BatchRun.objects.get(pk=report["run_id"]).params == {"n": 2, "label": "hello"}
 
 
+@pytest.mark.parametrize("text", ["1.50", "1e3", "true", "null", "007", '"quoted"', "[1, 2]"])
+def test_a_param_declared_str_keeps_the_exact_text_given(text: str) -> None:
+    code, report = run_command("t_strict", "--param", "n=1", "--param", f"label={text}")
+
+    assert code == 0
+    assert BatchRun.objects.get(pk=report["run_id"]).params == {"n": 1, "label": text}
+
+
+def test_undeclared_params_are_still_read_as_json_when_they_parse() -> None:
+    code, report = run_command(
+        "t_collect", "--param", "n=2", "--param", "sleep=0.0", "--param", "note=1.50x"
+    )
+
+    assert code == 0
+    params = BatchRun.objects.get(pk=report["run_id"]).params
+    assert params == {"n": 2, "sleep": 0.0, "note": "1.50x"}
+
+
+def test_an_empty_work_list_is_said_plainly_in_the_json_and_the_text_report() -> None:
+    code, report = run_command("t_collect", "--param", "n=0")
+    text = StringIO()
+    call_command("run_fanout", "t_collect", "--param", "n=0", "--run-key", "empty", stdout=text)
+
+    assert code == 0
+    assert report["counts"] == dict.fromkeys(report["counts"], 0)
+    assert report["notes"] == ["the work list was empty: 0 items"]
+    assert "the work list was empty: 0 items" in text.getvalue().splitlines()
+
+
+def test_running_a_finished_run_again_says_so_and_how_to_start_a_fresh_one() -> None:
+    code, first = run_command("t_collect", "--param", "n=2")
+    assert (code, first["notes"]) == (0, [])
+    text = StringIO()
+
+    code, again = run_command("t_collect", "--param", "n=2")
+    call_command("run_fanout", "t_collect", "--param", "n=2", stdout=text)
+
+    run = BatchRun.objects.get()
+    assert code == 0 and again["run_id"] == run.pk
+    (note,) = again["notes"]
+    assert note.startswith(f"run {run.pk} had already finished (succeeded at ")
+    assert note.endswith(
+        "nothing was run again. To start a fresh run, give it a new run key: "
+        "run_fanout t_collect --param n=2 --run-key NEW_KEY"
+    )
+    assert note in text.getvalue().splitlines()
+    assert executions(run.pk) == dict.fromkeys(keys(2), 1)
+
+
 def test_list_shows_every_registered_definition() -> None:
     out = StringIO()
 
@@ -101,7 +154,8 @@ def test_resuming_a_finished_run_reports_it_without_running_anything() -> None:
     code, again = run_command("--resume", str(first["run_id"]))
 
     assert code == 0
-    assert again == first
+    assert again["notes"][0].startswith(f"run {first['run_id']} had already finished")
+    assert {**again, "notes": []} == first
     assert executions(first["run_id"]) == dict.fromkeys(keys(2), 1)
 
 
@@ -168,3 +222,79 @@ def test_retry_failed_from_the_command_line_reruns_only_the_failed_items(
     assert executions(report["run_id"]) == {**dict.fromkeys(keys(4), 1), "k00001": 2}
     run = BatchRun.objects.get(pk=report["run_id"])
     assert (run.status, run.join_runs) == (RunStatus.SUCCEEDED, 2)
+
+
+def snapshots(total: int) -> list[Snapshot]:
+    """A run's progress from start to end, with a long reason why items wait."""
+    run = BatchRun(pk=7, definition="t_collect", status=RunStatus.RUNNING, total_items=total)
+    waiting = {"payments: pool full (3/3)": 40, "account-0042: rate limited": 12}
+    steps = [
+        Snapshot(
+            run,
+            {"succeeded": d, "failed": 1, "running": 3, "pending": total - d - 4, "cancelled": 0},
+            waiting,
+        )
+        for d in range(0, total - 4, 10)
+    ]
+    done = BatchRun(pk=7, definition="t_collect", status=RunStatus.SUCCEEDED, total_items=total)
+    return [
+        *steps,
+        Snapshot(
+            done, {"succeeded": total - 1, "failed": 1, "running": 0, "pending": 0, "cancelled": 0}
+        ),
+    ]
+
+
+def screen(output: str, width: int) -> list[str]:
+    """The lines a terminal ``width`` columns wide shows after ``output`` (the escape codes
+    rich uses: carriage return, cursor up, erase line, colours); a wider line fails."""
+    lines, row, col = [""], 0, 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]+", output):
+        if token == "\n":
+            row, col = row + 1, 0
+            lines += [""] * (row + 1 - len(lines))
+        elif token == "\r":
+            col = 0
+        elif token.startswith("\x1b[") and token.endswith("A"):
+            row -= int(token[2:-1] or 1)
+        elif token == "\x1b[2K":
+            lines[row] = ""
+        elif not token.startswith("\x1b"):
+            lines[row] = lines[row][:col] + token + lines[row][col + len(token) :]
+            col += len(token)
+            assert len(lines[row]) <= width, f"{len(lines[row])} columns: {lines[row]!r}"
+    return [line.rstrip() for line in lines if line.strip()]
+
+
+def test_progress_on_a_terminal_is_one_line_fitted_to_its_width_and_redrawn_in_place() -> None:
+    out = StringIO()
+    progress = Progress(OutputWrapper(out), isatty=True, width=80)
+
+    for snap in snapshots(100)[:-1]:
+        progress.show(snap)
+    assert len(screen(out.getvalue(), 80)) == 1
+    progress.show(snapshots(100)[-1], final=True)
+
+    (line,) = screen(out.getvalue(), 80)
+    assert line.startswith("run 7 succeeded: 100/100 (100%) ")
+    assert out.getvalue().count("\n") == 1
+
+
+def test_progress_elsewhere_is_one_plain_line_per_interval_never_cut() -> None:
+    out = StringIO()
+    progress = Progress(OutputWrapper(out), isatty=False, every=3600)
+    *steps, last = snapshots(100)
+
+    for snap in steps:
+        progress.show(snap)
+    progress.show(last, final=True)
+
+    lines = out.getvalue().splitlines()
+    assert "\x1b" not in out.getvalue()
+    assert len(lines) == 2
+    assert lines[0].startswith("run 7 running: 1/100 (1%) ")
+    assert lines[0].endswith(
+        "failed 1 running 3 pending 96 | waiting: 40 payments: pool full (3/3), "
+        "12 account-0042: rate limited"
+    )
+    assert lines[1].startswith("run 7 succeeded: 100/100 (100%) ")

@@ -16,15 +16,9 @@ from .workers import Workers
 
 
 @pytest.fixture
-def child_database_url(django_db_setup: Any) -> str:
+def child_database_url(database_url: str) -> str:
     """A DATABASE_URL that points a worker process at this session's test database."""
-    from django.db import connection
-
-    s = connection.settings_dict
-    if s["ENGINE"] != "django.db.backends.postgresql":
-        pytest.skip("the capacity-pool tests race real workers on PostgreSQL")
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+    return database_url
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from fanout.definition import get_definition
 from fanout.dispatch import prepare_run, resume
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
-from tests.procs import finish, wait_until
+from tests.procs import finish, other_sessions, wait_until
 from tests.testapp.fanouts_pools import BUSY_POOL, KILL_POOL
 from tests.testapp.models import Execution
 
@@ -181,15 +181,6 @@ def test_claimers_of_many_runs_racing_for_one_pool_admit_no_more_than_its_limit(
         for run_id, result in admitted.items():
             outcomes = [ExecutionOutcome(i.pk, i.key, SUCCEEDED) for i in result.items]
             record(run_id, result.token, outcomes, "collect")
-
-
-def other_sessions() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0]
 
 
 def test_a_killed_worker_holds_its_slot_until_its_lease_expires_then_the_pool_admits_again(

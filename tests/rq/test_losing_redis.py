@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from tests.procs import wait_until
+from tests.procs import other_sessions, wait_until
 from tests.rq.support import (
     assert_succeeded_once_each,
     drain_jobs,
@@ -63,16 +62,6 @@ def test_a_flush_of_redis_mid_run_is_healed_by_the_waiting_parent_and_every_item
     assert report(parent.stdout())["status"] == RunStatus.SUCCEEDED
     assert_succeeded_once_each(run.pk, 100)
     assert all(w.proc.poll() is None for w in workers)
-
-
-def other_sessions() -> int:
-    """Sessions on the test database other than this test's own."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0]
 
 
 def test_resume_finishes_a_run_after_redis_lost_everything_and_every_worker_died(

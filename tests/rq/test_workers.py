@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from fanout.conf import conf
 from fanout.definition import get_definition
 from fanout.models import BatchRun, ItemStatus, RunStatus
-from tests.procs import wait_until
+from tests.procs import other_sessions, wait_until
 from tests.rq.support import (
     assert_succeeded_once_each,
     calls,
@@ -247,16 +246,8 @@ def test_idle_workers_keep_no_database_connection_open_between_drain_jobs(
 
     wait_until(drained, 30, "every drain job of the run to finish")
 
-    def others() -> int:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            return cursor.fetchone()[0]
-
     # Connections are closed around every job, in every thread that used one.
-    wait_until(lambda: others() == 0, 10, "the idle workers' connections to close")
+    wait_until(lambda: other_sessions() == 0, 10, "the idle workers' connections to close")
 
 
 def test_a_drain_job_that_spends_its_time_budget_re_enqueues_itself_until_the_run_is_done(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import InterfaceError, OperationalError, connection
 
-from fanout.definition import EXECUTORS, get_definition, registered
+from fanout.definition import EXECUTORS, FanOut, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
 from fanout.errors import FanoutError
 from fanout.join import maybe_join
@@ -36,16 +37,29 @@ def positive_int(text: str) -> int:
     return value
 
 
-def param(text: str) -> tuple[str, Any]:
-    """key=value; the value is read as JSON when it is JSON (42, true, "x", [1]), else as text."""
+def param(text: str) -> tuple[str, str]:
+    """key=value, the value kept as text until the definition says how to read it."""
     name, sep, raw = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not of the form key=value")
-    try:
-        value: Any = json.loads(raw)
-    except ValueError:
-        value = raw
-    return name.strip(), value
+    return name.strip(), raw
+
+
+def read_params(definition: FanOut, given: list[tuple[str, str]]) -> dict[str, Any]:
+    """Keep a param declared ``str`` as the exact text given; read the others as JSON
+    when they parse as JSON (42, true, [1]), else as text."""
+    declared = definition.params or {}
+    params: dict[str, Any] = {}
+    for name, raw in given:
+        spec = declared.get(name)
+        if (spec[0] if isinstance(spec, tuple) else spec) is str:
+            params[name] = raw
+            continue
+        try:
+            params[name] = json.loads(raw)
+        except ValueError:
+            params[name] = raw
+    return params
 
 
 class Command(BaseCommand):
@@ -59,8 +73,9 @@ class Command(BaseCommand):
             type=param,
             default=[],
             metavar="KEY=VALUE",
-            help="A run param; repeat for more. Values are JSON when they parse as "
-            "JSON, text otherwise. Default: none.",
+            help="A run param; repeat for more. A param the definition declares as str "
+            "keeps the exact text; other values are JSON when they parse as JSON, text "
+            "otherwise. Default: none.",
         )
         parser.add_argument(
             "--run-key",
@@ -117,6 +132,7 @@ class Command(BaseCommand):
             run = self._prepare(options)
         except FanoutError as exc:
             raise CommandError(str(exc), returncode=2) from None
+        notes = [_already_finished(run)] if run.is_terminal else []
         definition = get_definition(run.definition)
         executor = options["executor"] or run.executor
         if executor == "inline" and options["no_wait"]:
@@ -135,6 +151,9 @@ class Command(BaseCommand):
         progress = None if options["json"] else Progress(self.stdout, isatty=self.stdout.isatty())
         interrupted = self._watch(run, handle, executor, options["workers"], progress)
         report = final_report(run)
+        if not sum(report["counts"].values()):
+            notes.append("the work list was empty: 0 items")
+        report["notes"] = notes
         if options["json"]:
             self.stdout.write(json.dumps(report, default=str))
         else:
@@ -174,7 +193,7 @@ class Command(BaseCommand):
         definition = get_definition(options["name"])
         return prepare_run(
             definition,
-            dict(options["param"]),
+            read_params(definition, options["param"]),
             options["run_key"],
             executor=options["executor"] or "inline",
             max_parallel=options["max_parallel"],
@@ -261,6 +280,8 @@ class Command(BaseCommand):
             f"{report['status'].upper()}"
         )
         out.write("  " + "  ".join(f"{k} {v}" for k, v in report["counts"].items() if v))
+        for note in report["notes"]:
+            out.write(note)
         if report["failed"]:
             out.write(f"failed items ({len(report['failed'])}):")
             for f in report["failed"][:20]:
@@ -285,6 +306,16 @@ class Command(BaseCommand):
                 f"max_attempts {d.max_attempts}, "
                 f"failure_policy {d.failure_policy}, join_mode {d.join_mode} ({d.module})"
             )
+
+
+def _already_finished(run: BatchRun) -> str:
+    when = f" at {run.finished_at:%Y-%m-%d %H:%M:%S %Z}" if run.finished_at else ""
+    params = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in run.params.items()]
+    again = shlex.join([run.definition, *(a for p in params for a in ("--param", p))])
+    return (
+        f"run {run.pk} had already finished ({run.status}{when}): nothing was run again. "
+        f"To start a fresh run, give it a new run key: run_fanout {again} --run-key NEW_KEY"
+    )
 
 
 def _main_thread() -> bool:
