@@ -23,8 +23,30 @@ from ..dispatch import dispatch
 from ..errors import FanoutError
 from ..models import BatchRun, RunStatus
 
-# Actions offered both on the list and as buttons of an object's page.
-BOTH = [admin.ActionLocation.CHANGE_LIST, admin.ActionLocation.CHANGE_FORM]
+# Django 6.1 offers actions on an object's page too; before it, only on the list.
+LOCATIONS = getattr(admin, "ActionLocation", None)
+
+
+def action(**options: Any) -> Any:
+    """``@admin.action``, offered both on the list and on an object's page where Django can."""
+    if LOCATIONS is not None:
+        options["location"] = [LOCATIONS.CHANGE_LIST, LOCATIONS.CHANGE_FORM]
+    return admin.action(**options)
+
+
+def page_actions(model_admin: admin.ModelAdmin, request: HttpRequest) -> dict[str, Any]:
+    """The actions an object's page may offer its viewer."""
+    if LOCATIONS is None:
+        return model_admin.get_actions(request)
+    return model_admin.get_actions(request, action_location=LOCATIONS.CHANGE_FORM)
+
+
+def page_action_form(changelist_url: str) -> tuple[str, str]:
+    """Where an object's page posts an action, and the field that names it: the page itself
+    on Django 6.1+, else the list's action endpoint (which then shows the list)."""
+    if LOCATIONS is None:
+        return changelist_url, "action"
+    return "", f"{LOCATIONS.CHANGE_FORM.value}-action"
 # Runs whose failed items may be retried: a pending run is still writing items, and retrying
 # would silently reopen a run an operator cancelled.
 RETRYABLE_RUNS = (RunStatus.RUNNING, RunStatus.JOINING, RunStatus.SUCCEEDED, RunStatus.FAILED)

@@ -24,9 +24,9 @@ from ..models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from ..text import human_duration, last_line, plural
 from ..waiting import why_items_wait
 from .common import (
-    BOTH,
     RETRYABLE_RUNS,
     FanoutAdmin,
+    action,
     clipped,
     json_block,
     redispatch,
@@ -266,7 +266,7 @@ class ItemClaimAdmin(FanoutAdmin):
 
     # ------------------------------------------------------------------ actions
 
-    @admin.action(description="Retry selected failed items", permissions=["retry"], location=BOTH)
+    @action(description="Retry selected failed items", permissions=["retry"])
     def retry_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
         failed = queryset.filter(status=ItemStatus.FAILED)
         runs = list(
@@ -285,8 +285,8 @@ class ItemClaimAdmin(FanoutAdmin):
         self.message_user(request, text, messages.SUCCESS if retried else messages.WARNING)
         redispatch(self, request, runs)
 
-    @admin.action(
-        description="Cancel selected pending items", permissions=["cancel"], location=BOTH
+    @action(
+        description="Cancel selected pending items", permissions=["cancel"]
     )
     def cancel_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
         pending = queryset.filter(status=ItemStatus.PENDING)
@@ -311,10 +311,9 @@ class ItemClaimAdmin(FanoutAdmin):
                 messages.INFO,
             )
 
-    @admin.action(
+    @action(
         description="Force-release the lease of selected running items",
         permissions=["force_release"],
-        location=BOTH,
     )
     def force_release_leases(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
         released = recover.force_release(queryset.filter(status=ItemStatus.RUNNING))

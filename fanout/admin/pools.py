@@ -15,7 +15,7 @@ from django.utils.html import format_html
 from ..models import CapacityPool, ItemClaim, ItemStatus
 from ..text import plural
 from ..waiting import pool_state
-from .common import BOTH, FanoutAdmin, gauge, items_url, time_field
+from .common import FanoutAdmin, action, gauge, items_url, time_field
 
 
 @admin.register(CapacityPool)
@@ -57,10 +57,8 @@ class CapacityPoolAdmin(FanoutAdmin):
         fixed = ("paused_flag", *self.worker_fields)
         return ("name", *fixed) if obj is not None else fixed
 
-    def get_actions(
-        self, request: HttpRequest, action_location: Any = admin.ActionLocation.CHANGE_LIST
-    ) -> dict[str, Any]:
-        actions = super().get_actions(request, action_location=action_location)
+    def get_actions(self, request: HttpRequest, **location: Any) -> dict[str, Any]:
+        actions = super().get_actions(request, **location)
         # A pool is deleted one at a time, where its page can refuse it while items use it.
         actions.pop("delete_selected", None)
         return actions
@@ -156,14 +154,14 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     # ------------------------------------------------------------------ actions
 
-    @admin.action(description="Pause selected pools", permissions=["pause"], location=BOTH)
+    @action(description="Pause selected pools", permissions=["pause"])
     def pause_pools(self, request: HttpRequest, queryset: QuerySet[CapacityPool]) -> None:
         count = queryset.filter(paused=False).update(paused=True, updated_at=timezone.now())
         self.message_user(
             request, f"Paused {plural(count, 'pool')}: they admit no new items.", messages.SUCCESS
         )
 
-    @admin.action(description="Resume selected pools", permissions=["pause"], location=BOTH)
+    @action(description="Resume selected pools", permissions=["pause"])
     def resume_pools(self, request: HttpRequest, queryset: QuerySet[CapacityPool]) -> None:
         count = queryset.filter(paused=True).update(paused=False, updated_at=timezone.now())
         self.message_user(request, f"Resumed {plural(count, 'pool')}.", messages.SUCCESS)

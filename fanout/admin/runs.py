@@ -21,14 +21,16 @@ from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of, tree_report
 from ..text import human_duration, human_rate, last_line, plural
 from .common import (
-    BOTH,
     CANCELLABLE_RUNS,
     RETRYABLE_RUNS,
     FanoutAdmin,
+    action,
     clipped,
     gauge,
     items_url,
     json_block,
+    page_action_form,
+    page_actions,
     redispatch,
     time_field,
     timestamp,
@@ -317,12 +319,18 @@ class BatchRunAdmin(FanoutAdmin):
             ],
             "pools": pools,
             "buttons": self._buttons(request, run, counts["failed"]),
-            "action_field": f"{admin.ActionLocation.CHANGE_FORM.value}-action",
+            **dict(
+                zip(
+                    ("action_url", "action_field"),
+                    page_action_form(reverse("admin:fanout_batchrun_changelist")),
+                    strict=True,
+                )
+            ),
         }
 
     def _buttons(self, request: HttpRequest, run: BatchRun, failed: int) -> list[tuple]:
         """The run page's action buttons its viewer may press: (action, label, confirmation)."""
-        actions = self.get_actions(request, action_location=admin.ActionLocation.CHANGE_FORM)
+        actions = page_actions(self, request)
         buttons = []
         if "retry_failed_items" in actions and failed and run.status in RETRYABLE_RUNS:
             buttons.append(("retry_failed_items", f"Retry {plural(failed, 'failed item')}", ""))
@@ -341,7 +349,7 @@ class BatchRunAdmin(FanoutAdmin):
 
     # ------------------------------------------------------------------ actions
 
-    @admin.action(description="Retry failed items", permissions=["retry"], location=BOTH)
+    @action(description="Retry failed items", permissions=["retry"])
     def retry_failed_items(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
         failed = ItemClaim.objects.filter(run=OuterRef("pk"), status=ItemStatus.FAILED)
         runs = list(queryset.filter(status__in=RETRYABLE_RUNS).filter(Exists(failed)))
@@ -357,7 +365,7 @@ class BatchRunAdmin(FanoutAdmin):
         )
         redispatch(self, request, runs)
 
-    @admin.action(description="Cancel run", permissions=["cancel"], location=BOTH)
+    @action(description="Cancel run", permissions=["cancel"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
         runs = list(queryset.filter(status__in=CANCELLABLE_RUNS))
         cancelled_items = 0
@@ -371,7 +379,7 @@ class BatchRunAdmin(FanoutAdmin):
             messages.SUCCESS if runs else messages.WARNING,
         )
 
-    @admin.action(description="Re-dispatch (wake workers)", permissions=["dispatch"], location=BOTH)
+    @action(description="Re-dispatch (wake workers)", permissions=["dispatch"])
     def redispatch_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
         runs = list(queryset.filter(status=RunStatus.RUNNING))
         if not runs:
