@@ -104,6 +104,8 @@ class Progress:
     def by_segment(self) -> dict[str, int]:
         """Counts per progress-bar segment: "pending" without the held ones, which are "waiting"."""
         out = {s: self.counts.get(s, 0) for s in SEGMENTS}
+        # Items waiting on a child run (status "waiting") are under way: drawn as running.
+        out[ItemStatus.RUNNING] += self.counts.get(ItemStatus.WAITING, 0)
         out[WAITING] = self.held
         out[ItemStatus.PENDING] -= self.held
         return out

@@ -15,7 +15,7 @@ from django.utils.html import format_html
 from ..models import CapacityPool, ItemClaim, ItemStatus
 from ..text import plural
 from ..waiting import pool_state
-from .common import FanoutAdmin, action, gauge, items_url, time_field
+from .common import LOCATIONS, FanoutAdmin, action, gauge, items_url, time_field
 
 
 @admin.register(CapacityPool)
@@ -57,11 +57,22 @@ class CapacityPoolAdmin(FanoutAdmin):
         fixed = ("paused_flag", *self.worker_fields)
         return ("name", *fixed) if obj is not None else fixed
 
-    def get_actions(self, request: HttpRequest, **location: Any) -> dict[str, Any]:
-        actions = super().get_actions(request, **location)
+    def _without_delete(self, actions: dict[str, Any]) -> dict[str, Any]:
         # A pool is deleted one at a time, where its page can refuse it while items use it.
         actions.pop("delete_selected", None)
         return actions
+
+    if LOCATIONS is not None:
+
+        def get_actions(
+            self, request: HttpRequest, action_location: Any = LOCATIONS.CHANGE_LIST
+        ) -> dict[str, Any]:
+            return self._without_delete(super().get_actions(request, action_location))
+
+    else:
+
+        def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+            return self._without_delete(super().get_actions(request))
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         if obj is not None and ItemClaim.objects.filter(pool=obj.name).unfinished().exists():
