@@ -11,8 +11,25 @@ from django.db.models import QuerySet
 from . import transitions
 from .claim import lock_run
 from .clock import DbNow
+from .errors import FanoutError
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from .record import cancel_pending
+
+# Runs whose failed items may be retried: a pending run is still writing its items, and a
+# cancelled one was stopped by an operator, whom a retry must not overrule.
+RETRYABLE_RUNS = (RunStatus.RUNNING, RunStatus.JOINING, RunStatus.SUCCEEDED, RunStatus.FAILED)
+
+
+def check_retryable(run: BatchRun) -> None:
+    """Refuse, with the reason, to retry a run that may not be reopened."""
+    if run.status not in RETRYABLE_RUNS:
+        why = {
+            RunStatus.CANCELLED: "it was cancelled, and a retry does not overrule that",
+            RunStatus.PENDING: "its items are still being written",
+        }.get(run.status, f"it is {run.status}")
+        raise FanoutError(
+            f"run {run.pk} cannot be retried: {why}; start a fresh run with --run-key NEW_KEY"
+        )
 
 
 def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int:

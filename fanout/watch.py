@@ -113,6 +113,8 @@ class Progress:
         if snap.waiting:
             waits = ", ".join(f"{n} {why}" for why, n in snap.waiting.items())
             detail += f" | waiting: {waits}"
+        if snap.why:
+            detail += f" | {snap.why}"
         self.bar.update(
             self._task,
             description=f"run {snap.run.pk} {snap.run.status}",

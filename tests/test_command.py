@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.core.management.base import OutputWrapper
+from django.utils import timezone
 
 from fanout.definition import registered
 from fanout.models import BatchRun, RunStatus
@@ -231,6 +232,7 @@ def snapshots(total: int) -> list[Snapshot]:
     steps = [
         Snapshot(
             run,
+            timezone.now(),
             {"succeeded": d, "failed": 1, "running": 3, "pending": total - d - 4, "cancelled": 0},
             waiting,
         )
@@ -240,7 +242,9 @@ def snapshots(total: int) -> list[Snapshot]:
     return [
         *steps,
         Snapshot(
-            done, {"succeeded": total - 1, "failed": 1, "running": 0, "pending": 0, "cancelled": 0}
+            done,
+            timezone.now(),
+            {"succeeded": total - 1, "failed": 1, "running": 0, "pending": 0, "cancelled": 0},
         ),
     ]
 

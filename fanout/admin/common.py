@@ -47,9 +47,7 @@ def page_action_form(changelist_url: str) -> tuple[str, str]:
     if LOCATIONS is None:
         return changelist_url, "action"
     return "", f"{LOCATIONS.CHANGE_FORM.value}-action"
-# Runs whose failed items may be retried: a pending run is still writing items, and retrying
-# would silently reopen a run an operator cancelled.
-RETRYABLE_RUNS = (RunStatus.RUNNING, RunStatus.JOINING, RunStatus.SUCCEEDED, RunStatus.FAILED)
+
 CANCELLABLE_RUNS = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
 TIME_FORMAT = "Y-m-d H:i:s"
 

@@ -21,10 +21,10 @@ from .. import recover
 from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from ..recover import RETRYABLE_RUNS
 from ..text import human_duration, last_line, plural
 from ..waiting import why_items_wait
 from .common import (
-    RETRYABLE_RUNS,
     FanoutAdmin,
     action,
     clipped,

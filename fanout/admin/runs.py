@@ -18,11 +18,11 @@ from django.utils.html import format_html
 
 from .. import recover
 from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from ..recover import RETRYABLE_RUNS
 from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of, tree_report
 from ..text import human_duration, human_rate, last_line, plural
 from .common import (
     CANCELLABLE_RUNS,
-    RETRYABLE_RUNS,
     FanoutAdmin,
     action,
     clipped,

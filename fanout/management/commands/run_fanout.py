@@ -18,10 +18,10 @@ from django.db import InterfaceError, OperationalError, connection
 from fanout.definition import EXECUTORS, FanOut, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
 from fanout.errors import FanoutError
-from fanout.join import maybe_join
 from fanout.models import BatchRun, ItemStatus, RunStatus
-from fanout.recover import release, retry_failed
+from fanout.recover import cancel_run, check_retryable, release, retry_failed
 from fanout.report import final_report, snapshot
+from fanout.supervise import tend
 from fanout.watch import Progress
 
 T = TypeVar("T")
@@ -119,6 +119,13 @@ class Command(BaseCommand):
             help="Put the run's failed items back to pending and run them again.",
         )
         parser.add_argument(
+            "--cancel",
+            type=positive_int,
+            metavar="RUN_ID",
+            help="Cancel the run: nothing more is claimed, pending items are cancelled, "
+            "running ones finish and are recorded. Its child runs are cancelled too.",
+        )
+        parser.add_argument(
             "--json",
             action="store_true",
             help="Print one JSON report at the end instead of text. Default: text.",
@@ -128,6 +135,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["list"]:
             return self._list()
+        if options["cancel"]:
+            return self._cancel(options["cancel"], options["json"])
         try:
             run = self._prepare(options)
         except FanoutError as exc:
@@ -158,6 +167,8 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(report, default=str))
         else:
             self._print_report(report)
+        if interrupted and executor == "rq":
+            raise CommandError(f"detached from run {run.pk}, which goes on", returncode=1)
         if interrupted:
             raise CommandError(
                 f"interrupted: run {run.pk} is {run.status}; pick it up with "
@@ -183,6 +194,7 @@ class Command(BaseCommand):
                 )
             definition = get_definition(run.definition)
             if options["retry_failed"]:
+                check_retryable(run)
                 count = retry_failed(run)
                 self.stderr.write(f"run {run.pk}: {count} failed items back to pending")
             from fanout.materialize import materialize
@@ -199,6 +211,22 @@ class Command(BaseCommand):
             max_parallel=options["max_parallel"],
         )
 
+    def _cancel(self, run_id: int, as_json: bool) -> None:
+        run = BatchRun.objects.filter(pk=run_id).first()
+        if run is None:
+            raise CommandError(f"there is no run {run_id}", returncode=2)
+        if run.is_terminal:
+            raise CommandError(f"run {run_id} is already {run.status}", returncode=2)
+        cancelled = cancel_run(run)
+        running = run.items.filter(status=ItemStatus.RUNNING).count()
+        if as_json:
+            self.stdout.write(json.dumps(final_report(run), default=str))
+            return
+        self.stdout.write(
+            f"run {run_id} cancelled: {cancelled} pending items cancelled; "
+            f"{running} running items finish and are recorded"
+        )
+
     def _watch(
         self,
         run: BatchRun,
@@ -212,6 +240,14 @@ class Command(BaseCommand):
 
         def on_sigint(signum: int, frame: Any) -> None:
             nonlocal interrupted
+            if executor == "rq":
+                # The run is the workers': this process only watched it. Say so and let go.
+                interrupted = True
+                self.stderr.write(
+                    f"\ndetached: the workers go on with run {run.pk}. Follow it with "
+                    f"run_fanout --resume {run.pk}, or stop it with run_fanout --cancel {run.pk}"
+                )
+                return
             if interrupted and handle is not None:
                 # Second Ctrl-C: give the items back now instead of waiting for them.
                 released = release(handle.keeper.held())
@@ -226,7 +262,7 @@ class Command(BaseCommand):
 
         previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
         try:
-            last_redispatch = time.monotonic()
+            last_tended = time.monotonic()
             while True:
                 snap = self._unless_db_down(lambda: snapshot(run))
                 if snap is None:
@@ -237,18 +273,11 @@ class Command(BaseCommand):
                     break
                 if interrupted and (handle is None or not handle.alive):
                     break
-                unfinished = snap.counts[ItemStatus.PENDING] + snap.counts[ItemStatus.RUNNING]
-                if unfinished == 0 and run.status in (RunStatus.RUNNING, RunStatus.JOINING):
-                    # The last worker may have died before joining.
-                    self._unless_db_down(lambda: maybe_join(run.pk))
-                elif executor == "rq" and time.monotonic() - last_redispatch > 2.0:
-                    # Redis may have lost the wake-ups: put back any that are gone (idempotent).
-                    try:
-                        dispatch(run, get_definition(run.definition), "rq", workers)
-                    except FanoutError as exc:
-                        # Redis is down or restarting: the rows keep the run; try again later.
-                        self.stderr.write(f"run {run.pk}: could not re-enqueue drain jobs: {exc}")
-                    last_redispatch = time.monotonic()
+                if time.monotonic() - last_tended > 2.0:
+                    # What every worker's supervisor does, sooner while someone watches: join
+                    # if the last worker died first, put back lost drain jobs (idempotent).
+                    self._unless_db_down(lambda: tend(run.pk))
+                    last_tended = time.monotonic()
                 if handle is not None and handle.alive:
                     handle.join(timeout=0.5)
                 else:
