@@ -126,7 +126,19 @@ def _claim(
 # When this process last looked for a run's expired leases (time.monotonic()).
 _expired_checked: dict[int, float] = {}
 EXPIRED_CHECK_SECONDS = 0.5
-_FIELDS = ("pk", "key", "index", "payload", "pool", "attempt", "crashes", "status")
+_FIELDS = (
+    "pk",
+    "key",
+    "index",
+    "payload",
+    "pool",
+    "attempt",
+    "crashes",
+    "status",
+    "owner",
+    "started_at",
+    "lease_expires_at",
+)
 
 
 class _Claim:

@@ -96,6 +96,9 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         join_lease_expires_at=None,
     )
     logger.info("run %s joined: %s %s", run_id, status, counts)
+    from .signals import run_finished, send
+
+    send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run_id))
     if run.parent_item_id is not None:
         from .nest import settle_up
 

@@ -138,6 +138,10 @@ def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
     )
     run.refresh_from_db()
     logger.info("run %s: %d items written", run.pk, total)
+    if run.status == RunStatus.RUNNING:
+        from .signals import run_started, send
+
+        send(run_started, BatchRun, run=run)
     return run
 
 

@@ -224,6 +224,34 @@ class ItemClaim(models.Model):
         return self.finished_at - self.started_at
 
 
+class ItemAttempt(models.Model):
+    """One attempt of an item that did not succeed: its history survives retries.
+
+    Written only for failed attempts (a handler's exception, a lost worker), so the hot path of
+    succeeding items writes nothing here.
+    """
+
+    item = models.ForeignKey(ItemClaim, on_delete=models.CASCADE, related_name="attempts")
+    attempt = models.PositiveIntegerField()
+    owner = models.CharField(max_length=200, blank=True, default="")
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error_class = models.CharField(max_length=200, blank=True, default="")
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["item_id", "pk"]
+
+    def __str__(self) -> str:
+        return f"{self.item_id} attempt {self.attempt}: {self.error_class}"
+
+    @property
+    def duration(self) -> timedelta | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+
 class CapacityPool(models.Model):
     """A named capacity owner (provider, account, workspace) shared by every run."""
 

@@ -79,9 +79,12 @@ def cancel_run(run: BatchRun, reason: str = "cancelled by an operator") -> int:
         count = cancel_pending(run.pk, reason) if updated else 0
     if updated:
         from .nest import cancel_children, settle_up
+        from .signals import run_finished, send
 
         cancel_children(run.pk, reason)
         settle_up(run.pk)
+        run.refresh_from_db()
+        send(run_finished, BatchRun, run=run)
     run.refresh_from_db()
     return count
 

@@ -26,7 +26,7 @@ from django.db.models import F, Field, QuerySet
 from django.db.models.functions import Greatest
 
 from .clock import DbNow, db_now_plus
-from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 
 # What an execution ended in; RETRY, THROTTLED and RELEASED put the item back to pending.
 SUCCEEDED, FAILED, RETRY, THROTTLED, RELEASED = (
@@ -149,12 +149,35 @@ def start(
     return n
 
 
+LOST = (
+    "the worker running this attempt stopped renewing its lease: it died, was stopped, "
+    "or the handler outlived its timeout"
+)
+
+
+def _note_lost(rows: Sequence[dict]) -> None:
+    """Each attempt cut off by a lost worker joins its item's history."""
+    ItemAttempt.objects.bulk_create(
+        ItemAttempt(
+            item_id=r["pk"],
+            attempt=r["attempt"],
+            owner=r["owner"],
+            started_at=r["started_at"],
+            finished_at=r.get("lease_expires_at"),
+            error_class="WorkerLost",
+            error=LOST,
+        )
+        for r in rows
+    )
+
+
 def reclaim(
     rows: Sequence[dict], owner: str, token: uuid.UUID, lease_seconds: float, now: datetime
 ) -> int:
     """Expired items go to a new owner; their slots stay taken. Their old owner died: a crash."""
     if not rows:
         return 0
+    _note_lost(rows)
     return ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
         crashes=F("crashes") + 1, **_running(owner, token, lease_seconds, now)
     )
@@ -167,6 +190,7 @@ def fail_lost(run_id: int, rows: Sequence[dict], crash_budget: int) -> int:
     """Expired items whose owners kept dying fail; their slots are given up."""
     if not rows:
         return 0
+    _note_lost([r for r in rows if r["status"] == ItemStatus.RUNNING])
     n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
         status=ItemStatus.FAILED,
         claim_token=None,
@@ -225,13 +249,17 @@ def release_expired(items: QuerySet[ItemClaim], limit: int = 100) -> int:
     their slots up: a full pool that another run's dead worker holds admits again."""
     with transaction.atomic():
         write_first()
-        rows = list(
+        found = list(
             items.expired()
             .select_for_update(skip_locked=True)
-            .values_list("pk", "run_id", "pool")[:limit]
+            .values("pk", "run_id", "pool", "attempt", "owner", "started_at", "lease_expires_at")[
+                :limit
+            ]
         )
-        if not rows:
+        if not found:
             return 0
+        _note_lost(found)
+        rows = [(r["pk"], r["run_id"], r["pool"]) for r in found]
         n = ItemClaim.objects.filter(pk__in=[r[0] for r in rows]).update(
             status=ItemStatus.PENDING,
             claim_token=None,
@@ -260,9 +288,34 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         mine = [o for o in outcomes if o.pk in held]
         if not mine:
             return []
+        _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
         _write_outcomes(mine)
         _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
     return [o.pk for o in mine]
+
+
+def _note_failed(outcomes: Sequence[ExecutionOutcome]) -> None:
+    """Failed attempts join their items' history (read before the attempt number moves on)."""
+    if not outcomes:
+        return
+    current = {
+        pk: (attempt, owner, started)
+        for pk, attempt, owner, started in ItemClaim.objects.filter(
+            pk__in=[o.pk for o in outcomes]
+        ).values_list("pk", "attempt", "owner", "started_at")
+    }
+    ItemAttempt.objects.bulk_create(
+        ItemAttempt(
+            item_id=o.pk,
+            attempt=current[o.pk][0],
+            owner=current[o.pk][1],
+            started_at=current[o.pk][2],
+            finished_at=o.finished_at,
+            error_class=o.error_class,
+            error=o.error,
+        )
+        for o in outcomes
+    )
 
 
 def _write_outcomes(outcomes: Sequence[ExecutionOutcome]) -> None:
@@ -489,8 +542,9 @@ class HandOver:
 
 
 def can_hand_over(outcome: ExecutionOutcome) -> bool:
-    """Outcomes the one-statement path takes; the rest go through settle()."""
-    return connection.vendor == "postgresql" and outcome.kind in (SUCCEEDED, FAILED, RETRY)
+    """Outcomes the one-statement path takes: successes. A failure goes through settle(),
+    which also keeps the attempt's history."""
+    return connection.vendor == "postgresql" and outcome.kind == SUCCEEDED
 
 
 def hand_over(

@@ -21,14 +21,16 @@ from .conf import conf
 from .definition import FanOut
 from .join import maybe_join
 from .lease import LeaseKeeper
-from .models import FailurePolicy, ItemClaim
+from .models import CapacityPool, FailurePolicy, ItemClaim
 from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
+from .signals import item_finished, pool_throttled, send
 from .transitions import (
     RELEASED,
     SPAWNED,
     SUCCEEDED,
+    THROTTLED,
     ClaimedItem,
     ExecutionOutcome,
     can_hand_over,
@@ -86,6 +88,26 @@ def _gate_set(run_id: int, result: ClaimResult) -> None:
         if result.retry_in is not None:
             wait = min(wait, result.retry_in)
         _gate[run_id] = time.monotonic() + wait
+
+
+def announce(run_id: int, outcomes: list[ExecutionOutcome]) -> None:
+    """Send the signals for outcomes that were just committed."""
+    if item_finished.has_listeners(ItemClaim):
+        for o in outcomes:
+            if o.terminal:
+                status = "succeeded" if o.kind == SUCCEEDED else "failed"
+                send(
+                    item_finished,
+                    ItemClaim,
+                    run_id=run_id,
+                    key=o.key,
+                    status=status,
+                    result=o.result,
+                    error=o.error,
+                )
+    for o in outcomes:
+        if o.kind == THROTTLED and o.pool:
+            send(pool_throttled, CapacityPool, pool=o.pool, retry_after=o.retry_after)
 
 
 def owner_name(suffix: str = "") -> str:
@@ -206,6 +228,8 @@ class Drain:
         if done is None:
             return batch  # the database went away: record it again
         self.keeper.drop([outcome.pk])
+        if done.written:
+            announce(self.run_id, [outcome])
         if not done.written:
             logger.warning(
                 "run %s: outcome of %s dropped: this worker had lost its claim",
@@ -286,6 +310,8 @@ class Drain:
         if reclaimed is not None:
             freed.subtract(Counter(item.pool for item in reclaimed))
         wake(sum(n for n in freed.values() if n > 0))
+        if not recorded.dropped:
+            announce(self.run_id, outcomes)
         for o in outcomes:
             if o.kind == SPAWNED:
                 # The child may have ended before its parent item was waiting: decide it now.

@@ -15,7 +15,8 @@ from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.dateformat import format as date_format
+from django.utils.html import format_html, format_html_join
 
 from .. import recover
 from ..definition import get_definition
@@ -25,6 +26,7 @@ from ..recover import RETRYABLE_RUNS
 from ..text import human_duration, last_line, plural
 from ..waiting import why_items_wait
 from .common import (
+    TIME_FORMAT,
     FanoutAdmin,
     action,
     clipped,
@@ -123,6 +125,7 @@ class ItemClaimAdmin(FanoutAdmin):
                 )
             },
         ),
+        ("Failed attempts", {"fields": ("attempt_history",)}),
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
@@ -167,6 +170,36 @@ class ItemClaimAdmin(FanoutAdmin):
         return self.has_fanout_permission(request, "force_release_item")
 
     # ------------------------------------------------------------------ columns
+
+    @admin.display(description="history")
+    def attempt_history(self, item: ItemClaim) -> str:
+        """Every attempt that did not succeed: when, where, how long, and why."""
+        rows = list(item.attempts.all())
+        if not rows:
+            return "none"
+        cells = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+            '<td class="fanout-error" title="{}">{}</td></tr>',
+            (
+                (
+                    a.attempt,
+                    date_format(a.started_at, TIME_FORMAT) if a.started_at else "-",
+                    a.owner or "-",
+                    human_duration(a.duration) if a.duration is not None else "-",
+                    a.error_class or "-",
+                    a.error,
+                    last_line(a.error),
+                )
+                for a in rows
+            ),
+        )
+        return format_html(
+            '<table class="fanout-attempts"><thead><tr><th>attempt</th><th>started</th>'
+            "<th>worker</th><th>took</th><th>error</th><th>message</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
+            cells,
+        )
 
     @admin.display(description="child run")
     def child_run_link(self, item: ItemClaim) -> str:
