@@ -263,6 +263,14 @@ class FanOut:
         """The pool every item uses, or None when there is none or it is chosen per item."""
         return self.pool if isinstance(self.pool, str) else None
 
+    def attempts_for(self, key: str) -> int:
+        """Attempts the item ``key`` may use (a Group's member may have its own)."""
+        return self.max_attempts
+
+    def timeout_for(self, key: str) -> float | None:
+        """Seconds a call of the item ``key`` may take (a Group's member may have its own)."""
+        return self.timeout
+
     @property
     def has_thresholds(self) -> bool:
         return self.max_failures is not None or self.max_failure_rate is not None

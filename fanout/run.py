@@ -81,7 +81,7 @@ def execute(
         )
     except Exception as exc:
         outcome.error_class, outcome.error = type(exc).__name__, _describe(exc)
-        if claimed.attempt < definition.max_attempts:
+        if claimed.attempt < definition.attempts_for(claimed.key):
             outcome.kind = RETRY
             outcome.retry_after = backoff(definition, claimed.attempt)
         else:

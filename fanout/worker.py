@@ -192,7 +192,7 @@ class Drain:
                 # A release gives the item back at once and costs no attempt.
                 batch.outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
                 continue
-            self.keeper.started(item.pk, self.definition.timeout)
+            self.keeper.started(item.pk, self.definition.timeout_for(item.key))
             batch.outcomes.append(execute(self.definition, self.run_id, self.params, item))
             self.keeper.finished(item.pk)
             self.executed += 1

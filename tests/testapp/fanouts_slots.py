@@ -158,3 +158,48 @@ FanOut(
     join=count_children,
     lease_seconds=3,
 )
+
+
+# A group of three different members: a Step with its own attempts, a plain callable, and a
+# FanOut that runs as a child run with the group's params.
+def send_welcome(item: Item) -> dict[str, Any]:
+    timed(item)
+    if item.attempt <= int(item.payload.get("email_flaky", 0)):
+        raise RuntimeError(f"smtp hiccup on attempt {item.attempt}")
+    return {"sent_to": item.payload.get("customer")}
+
+
+def sync_crm(item: Item) -> dict[str, Any]:
+    timed(item)
+    if item.payload.get("crm_broken"):
+        from fanout import PermanentError
+
+        raise PermanentError("the CRM refused the customer")
+    return {"crm": "synced"}
+
+
+def by_member(outcomes: Any) -> dict[str, Any]:
+    return {o.key: o.result for o in outcomes}
+
+
+def _group(name: str, policy: str) -> None:
+    from fanout import Group, Step
+
+    Group(
+        name,
+        steps={
+            "email": Step(send_welcome, max_attempts=5),
+            "crm": sync_crm,
+            "repos": get_definition("nest_files"),
+        },
+        failure_policy=policy,
+        join=by_member,
+        retry_backoff=0.02,
+    )
+
+
+from fanout.definition import get_definition  # noqa: E402
+
+_group("group_onboard", "collect")
+_group("group_fail_fast", "fail_fast")
+_group("group_tolerate", "tolerate")

@@ -1,0 +1,138 @@
+"""Groups: a fixed set of different members, run at once, joined by name.
+
+A ``Group`` is a definition like any other (``run_fanout NAME``, ``.start()``, the admin): its
+work list is its members' names. Each member gets an Item whose key is its name and whose
+payload is the group's params. A member is a ``Step`` (a callable with its own attempts, pool
+and timeout), a plain callable, or a ``FanOut``, which runs as a child run with the group's
+params (see ``Item.spawn``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from .definition import FanOut, Item, Outcome
+from .errors import FanoutError
+
+
+class Step:
+    """One member of a Group with options of its own."""
+
+    def __init__(
+        self,
+        do: Callable[[Item], Any],
+        *,
+        max_attempts: int | None = None,
+        pool: str | None = None,
+        timeout: float | None = None,
+        requires: str | None = None,
+    ) -> None:
+        if not callable(do):
+            raise FanoutError(f"a Step needs a callable, got {do!r}")
+        if max_attempts is not None and (
+            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
+        ):
+            raise FanoutError(f"Step max_attempts must be an integer >= 1, got {max_attempts!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise FanoutError(f"Step timeout must be a number > 0, got {timeout!r}")
+        if pool is not None and (not isinstance(pool, str) or not pool):
+            raise FanoutError(f"Step pool must be a pool name, got {pool!r}")
+        self.do = do
+        self.max_attempts = max_attempts
+        self.pool = pool
+        self.timeout = timeout
+        self.requires = requires
+
+
+class Group(FanOut):
+    """Run ``steps`` at once; the join receives their outcomes, keyed by member name."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        steps: Mapping[str, Step | FanOut | Callable[[Item], Any]],
+        failure_policy: str = "collect",
+        join: Callable[[Iterable[Outcome]], Any] | None = None,
+        join_mode: str = "all",
+        params: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(steps, Mapping) or not steps:
+            raise FanoutError(f"group {name!r}: steps must be a non-empty mapping of name to step")
+        members: dict[str, Step | FanOut] = {}
+        for key, step in steps.items():
+            if not isinstance(key, str) or not key or len(key) > 255:
+                raise FanoutError(f"group {name!r}: a member name must be 1 to 255 characters")
+            if isinstance(step, Step | FanOut):
+                members[key] = step
+            elif callable(step):
+                members[key] = Step(step)
+            else:
+                raise FanoutError(
+                    f"group {name!r}: member {key!r} must be a Step, a FanOut or a callable, "
+                    f"got {step!r}"
+                )
+            requires = getattr(members[key], "requires", None)
+            if isinstance(members[key], Step) and requires not in (None, options.get("requires")):
+                raise FanoutError(
+                    f"group {name!r}: member {key!r} requires {requires!r}, but a group's "
+                    "members share its drain jobs: give the group requires=, or make the member "
+                    "a FanOut (it runs as a child run on its own queue)"
+                )
+        self.members = members
+        options.setdefault("max_parallel", len(members))  # members start together
+        super().__init__(
+            name,
+            over=lambda params: list(members),
+            key=str,
+            payload=lambda member: None,
+            do=self._run_member,
+            pool=self._member_pool if any(_pool(m) for m in members.values()) else None,
+            failure_policy=failure_policy,
+            join=join,
+            join_mode=join_mode,
+            params=params,
+            **options,
+        )
+
+    @property
+    def module(self) -> str:
+        return next(
+            (
+                getattr(m.do, "__module__", "?")
+                for m in self.members.values()
+                if isinstance(m, Step)
+            ),
+            "?",
+        )
+
+    def _run_member(self, item: Item) -> Any:
+        member = self.members[item.key]
+        if isinstance(member, FanOut):
+            return item.spawn(member, params=dict(item.params))
+        return member.do(dataclasses.replace(item, payload=dict(item.params)))
+
+    def _member_pool(self, item: Item) -> str:
+        return _pool(self.members[item.key]) or ""
+
+    def pool_for(self, item: Item) -> str:
+        return self._member_pool(item)
+
+    def attempts_for(self, key: str) -> int:
+        member = self.members.get(key)
+        if isinstance(member, Step) and member.max_attempts is not None:
+            return member.max_attempts
+        return self.max_attempts
+
+    def timeout_for(self, key: str) -> float | None:
+        member = self.members.get(key)
+        if isinstance(member, Step) and member.timeout is not None:
+            return member.timeout
+        return self.timeout
+
+
+def _pool(member: Step | FanOut) -> str | None:
+    return member.pool if isinstance(member, Step) else None

@@ -1,0 +1,73 @@
+"""Groups: different members at once, each with its own options, joined by name."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from fanout import FanoutError, Group, Step
+from fanout.definition import get_definition
+from fanout.models import BatchRun, ItemAttempt, ItemClaim, ItemStatus, RunStatus
+from tests.testapp.models import Execution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run_group(name: str, **params: Any) -> BatchRun:
+    return get_definition(name).start(params, run_key=uuid.uuid4().hex)
+
+
+def spans(run: BatchRun) -> dict[str, tuple[float, float]]:
+    rows = Execution.objects.filter(run_id=run.pk).order_by("started")
+    return {r.key: (r.started, r.ended) for r in rows}
+
+
+def test_a_groups_members_run_at_once_and_its_join_is_keyed_by_member_name() -> None:
+    run = run_group("group_onboard", customer=7, sleep=0.3, n=2)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.join_result == {
+        "email": {"sent_to": 7},
+        "crm": {"crm": "synced"},
+        "repos": {"items": 2, "succeeded": 2},
+    }
+    # Each member's item got the group's params as its payload, and they overlapped in time.
+    email, crm = spans(run)["email"], spans(run)["crm"]
+    assert email[0] < crm[1] and crm[0] < email[1]
+    child = BatchRun.objects.get(parent_item__run=run, parent_item__key="repos")
+    assert child.definition == "nest_files" and child.params["customer"] == 7
+
+
+def test_a_step_keeps_its_own_attempts() -> None:
+    # The group's default is 3 attempts; the email step has 5 and needs 4.
+    run = run_group("group_onboard", customer=1, email_flaky=3, n=1)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    email = ItemClaim.objects.get(run=run, key="email")
+    assert email.attempt == 4
+    assert ItemAttempt.objects.filter(item=email).count() == 3
+
+
+def test_each_failure_policy_holds_for_a_group() -> None:
+    collect = run_group("group_onboard", crm_broken=True, n=1)
+    fail_fast = run_group("group_fail_fast", crm_broken=True, n=1)
+    tolerate = run_group("group_tolerate", crm_broken=True, n=1)
+
+    assert collect.status == RunStatus.FAILED
+    assert fail_fast.status == RunStatus.FAILED
+    assert tolerate.status == RunStatus.SUCCEEDED
+    assert tolerate.join_result["crm"] is None
+    for run in (collect, fail_fast, tolerate):
+        crm = ItemClaim.objects.get(run=run, key="crm")
+        assert (crm.status, crm.error_class) == (ItemStatus.FAILED, "PermanentError")
+
+
+def test_a_group_is_refused_clearly_when_a_member_is_not_runnable() -> None:
+    with pytest.raises(FanoutError, match="member 'x' must be a Step, a FanOut or a callable"):
+        Group("group_bad", steps={"x": 42})
+    with pytest.raises(FanoutError, match="steps must be a non-empty mapping"):
+        Group("group_empty", steps={})
+    with pytest.raises(FanoutError, match="Step max_attempts"):
+        Step(print, max_attempts=0)
