@@ -59,7 +59,7 @@ class ClaimResult:
         return self.run_status == RunStatus.RUNNING
 
 
-_RUN_FIELDS = ("status", "max_parallel", "failure_policy", "in_flight")
+_RUN_FIELDS = ("status", "max_parallel", "failure_policy", "in_flight", "compensating")
 
 
 def lock_run(run_id: int) -> dict[str, Any] | None:

@@ -141,6 +141,9 @@ class FanOut:
         requires: str | None = None,
         max_failures: int | None = None,
         max_failure_rate: float | None = None,
+        compensate: Callable[[Item, Any], Any] | None = None,
+        compensate_order: str = "reverse",
+        compensate_max_parallel: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise FanoutError(
@@ -190,6 +193,14 @@ class FanOut:
                 f"fan-out {name!r}: max_failure_rate must be a number from 0 to below 1 "
                 f"(0.05 = 5% of all items), got {max_failure_rate!r}"
             )
+        _check_callable(name, "compensate", compensate, optional=True)
+        if compensate_order not in ("reverse", "parallel"):
+            raise FanoutError(
+                f"fan-out {name!r}: compensate_order must be 'reverse' or 'parallel', "
+                f"got {compensate_order!r}"
+            )
+        if compensate_max_parallel is not None:
+            _check_positive_int(name, "compensate_max_parallel", compensate_max_parallel)
         if params is not None and not isinstance(params, Mapping):
             raise FanoutError(f"fan-out {name!r}: params must be a mapping of name to type")
 
@@ -213,6 +224,9 @@ class FanOut:
         self.requires = requires
         self.max_failures = max_failures
         self.max_failure_rate = max_failure_rate
+        self.compensate = compensate
+        self.compensate_order = compensate_order
+        self.compensate_max_parallel = compensate_max_parallel
 
         previous = _registry.get(name)
         if previous is not None and previous.module != self.module:

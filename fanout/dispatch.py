@@ -109,7 +109,7 @@ def dispatch(
     """Start workers for ``run``: threads here, or drain jobs on RQ. Idempotent."""
     if executor not in EXECUTORS:
         raise FanoutError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    if run.status != RunStatus.RUNNING:
+    if run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING):
         return None
     if executor == "rq":
         from .rq import enqueue_drains

@@ -86,6 +86,13 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
             result = _join_with_retries(run_id, token, definition, run.join_failures)
         except _JoinFailed as failed:
             status, error = RunStatus.FAILED, failed.error
+    if status == RunStatus.FAILED and definition.compensate is not None:
+        # It failed: undo what succeeded before calling it over (see compensate.py).
+        from .compensate import begin_after_join
+
+        begin_after_join(run_id, token, result, error)
+        logger.info("run %s failed: compensating %s", run_id, counts)
+        return True
     BatchRun.objects.filter(pk=run_id, join_token=token).update(
         status=status,
         join_result=result,

@@ -17,6 +17,9 @@ class RunStatus(models.TextChoices):
     SUCCEEDED = "succeeded"  # joined, and the failure policy and join mode call it a success
     FAILED = "failed"  # joined (or the join raised), and it is not a success
     CANCELLED = "cancelled"  # stopped by an operator; pending items were cancelled
+    COMPENSATING = "compensating"  # failed (or cancelled to compensate): undoing what succeeded
+    COMPENSATED = "compensated"  # every succeeded item was compensated
+    COMPENSATION_FAILED = "compensation_failed"  # some compensation used up its attempts
 
 
 class ItemStatus(models.TextChoices):
@@ -26,10 +29,26 @@ class ItemStatus(models.TextChoices):
     SUCCEEDED = "succeeded"  # the handler returned; result holds its value
     FAILED = "failed"  # permanent error, attempts used up, or crash budget spent
     CANCELLED = "cancelled"  # the run was cancelled or failed fast before it was claimed
+    COMPENSATING = "compensating"  # succeeded; its compensation is due, running or retried
+    COMPENSATED = "compensated"  # succeeded, then undone by its compensation
+    COMPENSATION_FAILED = "compensation_failed"  # its compensation used up its attempts
 
 
-TERMINAL_ITEM_STATUSES = (ItemStatus.SUCCEEDED, ItemStatus.FAILED, ItemStatus.CANCELLED)
-TERMINAL_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
+TERMINAL_ITEM_STATUSES = (
+    ItemStatus.SUCCEEDED,
+    ItemStatus.FAILED,
+    ItemStatus.CANCELLED,
+    ItemStatus.COMPENSATING,
+    ItemStatus.COMPENSATED,
+    ItemStatus.COMPENSATION_FAILED,
+)
+TERMINAL_RUN_STATUSES = (
+    RunStatus.SUCCEEDED,
+    RunStatus.FAILED,
+    RunStatus.CANCELLED,
+    RunStatus.COMPENSATED,
+    RunStatus.COMPENSATION_FAILED,
+)
 
 
 class FailurePolicy(models.TextChoices):
@@ -48,7 +67,7 @@ class BatchRun(models.Model):
     run_key = models.CharField(max_length=255, unique=True)
     params = models.JSONField(default=dict, blank=True)
     status = models.CharField(
-        max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING, db_index=True
+        max_length=24, choices=RunStatus.choices, default=RunStatus.PENDING, db_index=True
     )
     max_parallel = models.PositiveIntegerField()
     failure_policy = models.CharField(max_length=16, choices=FailurePolicy.choices)
@@ -72,6 +91,8 @@ class BatchRun(models.Model):
     )
     # Joins that raised since the run last (re)opened: retried with backoff up to a limit.
     join_failures = models.PositiveIntegerField(default=0)
+    # Compensations running now (a FanOut's compensate=): their own budget, under this lock.
+    compensating = models.PositiveIntegerField(default=0)
     error = models.TextField(blank=True)
     # Why no worker could run it (a misconfigured or outdated worker), until one does.
     stalled = models.TextField(blank=True, default="")
@@ -172,7 +193,7 @@ class ItemClaim(models.Model):
     index = models.PositiveIntegerField()
     payload = models.JSONField(null=True, blank=True)
     pool = models.CharField(max_length=200, blank=True, default="")
-    status = models.CharField(max_length=16, choices=ItemStatus.choices, default=ItemStatus.PENDING)
+    status = models.CharField(max_length=24, choices=ItemStatus.choices, default=ItemStatus.PENDING)
     owner = models.CharField(max_length=200, blank=True, default="")
     claim_token = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -181,6 +202,9 @@ class ItemClaim(models.Model):
     attempt = models.PositiveIntegerField(default=1)
     # Claims that ended with the owner gone (lease expired while running).
     crashes = models.PositiveIntegerField(default=0)
+    # Attempts of its compensation (a FanOut's compensate=), once it succeeded and its run
+    # failed; the compensation's own lease uses claim_token and lease_expires_at.
+    compensation_attempt = models.PositiveIntegerField(default=0)
     next_attempt_at = models.DateTimeField(default=timezone.now)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True, default="")

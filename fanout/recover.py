@@ -11,6 +11,7 @@ from django.db.models import QuerySet
 from . import transitions
 from .claim import lock_run
 from .clock import DbNow
+from .definition import get_definition
 from .errors import FanoutError
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from .record import cancel_pending
@@ -70,8 +71,26 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     return count
 
 
-def cancel_run(run: BatchRun, reason: str = "cancelled by an operator") -> int:
-    """Cancel the run: pending items are cancelled at once, running ones finish."""
+def cancel_run(
+    run: BatchRun, reason: str = "cancelled by an operator", compensate: bool = False
+) -> int:
+    """Cancel the run: pending items are cancelled at once, running ones finish.
+
+    With ``compensate``, the run compensates what succeeded (see compensate.py) instead of
+    ending cancelled; its definition must have ``compensate=``.
+    """
+    if compensate:
+        definition = get_definition(run.definition)
+        if definition.compensate is None:
+            raise FanoutError(f"fan-out {run.definition!r} has no compensate= to undo items with")
+        with transaction.atomic():
+            count = cancel_pending(run.pk, reason)
+            from .compensate import begin
+
+            if not begin(run.pk, reason):
+                raise FanoutError(f"run {run.pk} is {run.status}: it cannot be compensated now")
+        run.refresh_from_db()
+        return count
     with transaction.atomic():
         updated = BatchRun.objects.filter(
             pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)

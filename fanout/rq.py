@@ -212,7 +212,7 @@ def drain_job(run_id: int, slot: int) -> str:
 
 def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     run = BatchRun.objects.filter(pk=run_id).first()
-    if run is None or run.status != RunStatus.RUNNING:
+    if run is None or run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING):
         return f"run {run_id} is {run.status if run else 'gone'}: nothing to do"
     try:
         definition = get_definition(run.definition)  # only registered definitions ever run

@@ -37,7 +37,9 @@ def take_runs(limit: int = RUNS_PER_SWEEP) -> list[int]:
     period = float(conf.SUPERVISE_SECONDS)
     with transaction.atomic():
         due = (
-            BatchRun.objects.filter(status__in=(RunStatus.RUNNING, RunStatus.JOINING))
+            BatchRun.objects.filter(
+                status__in=(RunStatus.RUNNING, RunStatus.JOINING, RunStatus.COMPENSATING)
+            )
             .filter(Q(tended_until__isnull=True) | Q(tended_until__lte=DbNow()))
             .order_by("tended_until", "pk")
             .select_for_update(skip_locked=True)
@@ -56,6 +58,8 @@ def tend(run_id: int) -> str:
     run = BatchRun.objects.filter(pk=run_id).first()
     if run is None or run.is_terminal:
         return "nothing: the run is over"
+    if run.status == RunStatus.COMPENSATING:
+        return _tend_compensation(run)
     from .nest import resolve_waiting
 
     resolve_waiting(run_id)  # children that ended while nobody decided their parent item
@@ -67,6 +71,19 @@ def tend(run_id: int) -> str:
     if not ItemClaim.objects.filter(run_id=run_id).claimable().exists():
         return "nothing: every unfinished item is held by a live worker"
     return redispatch(run)
+
+
+def _tend_compensation(run: BatchRun) -> str:
+    from .compensate import finish
+
+    if finish(run.pk):
+        return "compensation finished"
+    if run.executor != "rq":
+        return "nothing: carried by its parent"
+    due = ItemClaim.objects.filter(run_id=run.pk, status="compensating").filter(
+        Q(claim_token__isnull=True) | Q(lease_expires_at__lte=DbNow())
+    )
+    return redispatch(run) if due.exists() else "nothing: compensations under way"
 
 
 def redispatch(run: BatchRun) -> str:

@@ -21,7 +21,7 @@ from .conf import conf
 from .definition import FanOut
 from .join import maybe_join
 from .lease import LeaseKeeper
-from .models import CapacityPool, FailurePolicy, ItemClaim
+from .models import CapacityPool, FailurePolicy, ItemClaim, RunStatus
 from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
@@ -176,6 +176,15 @@ class Drain:
                 continue
             if result.crashed_out:
                 self._db(lambda: maybe_join(self.run_id, self.definition))
+            if result.run_status == RunStatus.COMPENSATING and self.definition.compensate:
+                from . import compensate
+
+                return compensate.drain(
+                    self.definition, self.run_id, self.owner, self.stop, self.deadline
+                )
+            if result.run_status == RunStatus.JOINING:
+                self._idle(result)  # it may yet compensate, with every worker's help
+                continue
             if not result.run_open:
                 return f"run {result.run_status}"
             unfinished = self._db(
@@ -183,7 +192,7 @@ class Drain:
             )
             if unfinished is False:
                 self._db(lambda: maybe_join(self.run_id, self.definition))
-                return "run finished"
+                continue  # the next claim sees how it ended (or that it compensates)
             self._idle(result)
 
     def _execute(self, batch: Batch) -> None:

@@ -203,3 +203,55 @@ from fanout.definition import get_definition  # noqa: E402
 _group("group_onboard", "collect")
 _group("group_fail_fast", "fail_fast")
 _group("group_tolerate", "tolerate")
+
+
+# Compensation: charge items, refund the charged ones when the run fails.
+def charge(item: Item) -> dict[str, Any]:
+    from fanout import PermanentError
+
+    timed(item)
+    if item.key in item.params.get("failing", []):
+        raise PermanentError(f"{item.key} declined")
+    return {"charged": item.key}
+
+
+def refund(item: Item, result: Any) -> None:
+    """Noted in the ledger as "undo:<key>"; ``refund_fail``: {key: n}: its first n calls fail."""
+    from .models import Execution
+
+    undone = Execution.objects.create(
+        run_id=item.run_id,
+        key=f"undo:{item.key}",
+        attempt=item.attempt,
+        pool=item.pool,
+        worker=str(os.getpid()),
+        started=time.time(),
+    )
+    try:
+        time.sleep(float(item.params.get("refund_sleep", 0)))
+        assert result == {"charged": item.key}, result
+        calls = Execution.objects.filter(run_id=item.run_id, key=f"undo:{item.key}").count()
+        if calls <= int(item.params.get("refund_fail", {}).get(item.key, 0)):
+            raise RuntimeError(f"the refund of {item.key} bounced")
+    finally:
+        Execution.objects.filter(pk=undone.pk).update(ended=time.time())
+
+
+charges: dict[str, Any] = dict(
+    over=common["over"],
+    key=common["key"],
+    do=charge,
+    compensate=refund,
+    retry_backoff=0.02,
+    max_attempts=3,
+    lease_seconds=3,
+)
+FanOut("comp_reverse", failure_policy="fail_fast", max_parallel=4, **charges)
+FanOut(
+    "comp_parallel",
+    failure_policy="collect",
+    max_parallel=6,
+    compensate_order="parallel",
+    compensate_max_parallel=2,
+    **charges,
+)

@@ -126,6 +126,12 @@ class Command(BaseCommand):
             "running ones finish and are recorded. Its child runs are cancelled too.",
         )
         parser.add_argument(
+            "--compensate",
+            action="store_true",
+            help="With --cancel: undo the run's succeeded items with its definition's "
+            "compensate= instead of leaving them. Default: off.",
+        )
+        parser.add_argument(
             "--json",
             action="store_true",
             help="Print one JSON report at the end instead of text. Default: text.",
@@ -135,8 +141,10 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["list"]:
             return self._list()
+        if options["compensate"] and not options["cancel"]:
+            raise CommandError("--compensate goes with --cancel RUN_ID", returncode=2)
         if options["cancel"]:
-            return self._cancel(options["cancel"], options["json"])
+            return self._cancel(options["cancel"], options["json"], options["compensate"])
         try:
             run = self._prepare(options)
         except FanoutError as exc:
@@ -211,13 +219,23 @@ class Command(BaseCommand):
             max_parallel=options["max_parallel"],
         )
 
-    def _cancel(self, run_id: int, as_json: bool) -> None:
+    def _cancel(self, run_id: int, as_json: bool, compensate: bool = False) -> None:
         run = BatchRun.objects.filter(pk=run_id).first()
         if run is None:
             raise CommandError(f"there is no run {run_id}", returncode=2)
         if run.is_terminal:
             raise CommandError(f"run {run_id} is already {run.status}", returncode=2)
-        cancelled = cancel_run(run)
+        try:
+            cancelled = cancel_run(run, compensate=compensate)
+        except FanoutError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        if compensate:
+            self.stdout.write(
+                f"run {run_id} compensating: {cancelled} pending items cancelled; its "
+                "succeeded items are being undone (follow it with run_fanout --resume "
+                f"{run_id})"
+            )
+            return
         running = run.items.filter(status=ItemStatus.RUNNING).count()
         if as_json:
             self.stdout.write(json.dumps(final_report(run), default=str))

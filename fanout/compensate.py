@@ -1,0 +1,308 @@
+"""Compensate: undo the items of a failed run that succeeded, durably, like the items themselves.
+
+A FanOut with ``compensate=`` whose run fails (fail-fast, a threshold, a join mode not met, a join
+that raised), or that an operator cancels with compensation, enters ``compensating``: every item
+that succeeded (including those that succeed later) becomes ``compensating``, and workers claim,
+lease, fence and retry their compensations (``compensate(item, result)``) up to the definition's
+``max_attempts``. ``compensate_order="reverse"`` (the default) runs them strictly one after
+another, the latest finished item first, like a saga; ``"parallel"`` runs up to
+``compensate_max_parallel`` at once, a budget of their own (the run row's ``compensating``
+counter) so that rollback never takes forward work's slots. Each runs in its item's pool. The run
+ends ``compensated``, or ``compensation_failed`` if any compensation used up its attempts (it
+stays visible, and an operator can retry it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Greatest
+
+from .claim import lock_run
+from .clock import DbNow, db_now_plus
+from .definition import FanOut, Item
+from .lease import keep_alive
+from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
+from .transitions import ClaimedItem
+
+logger = logging.getLogger("fanout")
+
+REVERSE, PARALLEL = "reverse", "parallel"
+ORDERS = (REVERSE, PARALLEL)
+
+
+def begin(run_id: int, reason: str = "") -> bool:
+    """Turn a failing (or cancelled) run to compensating; True if this call did."""
+    with transaction.atomic():
+        changed = BatchRun.objects.filter(
+            pk=run_id, status__in=(RunStatus.RUNNING, RunStatus.JOINING, RunStatus.FAILED)
+        ).update(
+            status=RunStatus.COMPENSATING,
+            finished_at=None,
+            **({"error": reason} if reason else {}),
+        )
+        if changed:
+            _sweep(run_id)
+    return bool(changed)
+
+
+def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> None:
+    """The join found the run failed: compensate instead of ending it."""
+    with transaction.atomic():
+        BatchRun.objects.filter(pk=run_id, join_token=token).update(
+            status=RunStatus.COMPENSATING,
+            join_result=result,
+            error=error,
+            join_failures=0,
+            join_token=None,
+            join_lease_expires_at=None,
+        )
+        _sweep(run_id)
+
+
+def _sweep(run_id: int) -> int:
+    """Items that succeeded (so far) are to be compensated."""
+    return ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.SUCCEEDED).update(
+        status=ItemStatus.COMPENSATING,
+        compensation_attempt=0,
+        claim_token=None,
+        lease_expires_at=None,
+        next_attempt_at=DbNow(),
+    )
+
+
+@dataclass
+class Taken:
+    token: uuid.UUID | None
+    items: list[tuple[ClaimedItem, Any]] = field(default_factory=list)  # (item, its result)
+    run_status: str = RunStatus.COMPENSATING
+    reason: str = ""
+
+
+def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
+    """Take the compensations the order and the budget allow, in one short transaction."""
+    with transaction.atomic():
+        run = lock_run(run_id)
+        if run is None or run["status"] != RunStatus.COMPENSATING:
+            return Taken(None, run_status=run["status"] if run else "deleted")
+        _sweep(run_id)
+        items = ItemClaim.objects.filter(run_id=run_id)
+        if items.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING)).exists():
+            # Strict reverse order needs every forward item finished first.
+            return Taken(None, reason="waiting for running items to finish")
+        comp = items.filter(status=ItemStatus.COMPENSATING)
+        fields = ("pk", "key", "index", "payload", "pool", "compensation_attempt", "result")
+        order = ("-finished_at", "-index") if definition.compensate_order == REVERSE else ("index",)
+        # A compensation whose worker died is taken over; it keeps its budget slot.
+        expired = list(
+            comp.filter(claim_token__isnull=False, lease_expires_at__lte=DbNow())
+            .order_by(*order)
+            .select_for_update(skip_locked=True)
+            .values(*fields)[:1]
+        )
+        room = _budget(definition, run["max_parallel"]) - run.get("compensating", 0)
+        fresh: list[dict] = []
+        if room > 0 and not expired:
+            due = comp.filter(claim_token__isnull=True, next_attempt_at__lte=DbNow())
+            if definition.compensate_order == REVERSE:
+                # Strictly one after another: the latest finished first, retries included.
+                due = comp.filter(claim_token__isnull=True)
+            candidates = list(
+                due.order_by(*order).select_for_update(skip_locked=True).values(*fields)[:room]
+            )
+            if definition.compensate_order == REVERSE:
+                candidates = [c for c in candidates[:1] if _due(c["pk"])]
+            fresh = _admit_pools(candidates)
+        taken = expired + fresh
+        if not taken:
+            return Taken(None, reason="no compensation due")
+        token = uuid.uuid4()
+        ItemClaim.objects.filter(pk__in=[c["pk"] for c in taken]).update(
+            claim_token=token,
+            owner=owner[:200],
+            lease_expires_at=db_now_plus(definition.lease_seconds),
+            compensation_attempt=F("compensation_attempt") + 1,
+        )
+        if fresh:
+            BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") + len(fresh))
+        return Taken(
+            token,
+            [
+                (
+                    ClaimedItem(
+                        c["pk"],
+                        c["key"],
+                        c["index"],
+                        c["payload"],
+                        c["pool"],
+                        c["compensation_attempt"] + 1,
+                    ),
+                    c["result"],
+                )
+                for c in taken
+            ],
+        )
+
+
+def _due(pk: int) -> bool:
+    return ItemClaim.objects.filter(pk=pk, next_attempt_at__lte=DbNow()).exists()
+
+
+def _budget(definition: FanOut, max_parallel: int) -> int:
+    if definition.compensate_order == REVERSE:
+        return 1
+    return definition.compensate_max_parallel or max_parallel
+
+
+def _admit_pools(candidates: list[dict]) -> list[dict]:
+    """Compensations run in their item's pool: take its slots under its lock (name order)."""
+    names = sorted({c["pool"] for c in candidates if c["pool"]})
+    free: dict[str, int] = {}
+    for pool in CapacityPool.objects.filter(name__in=names).order_by("name").select_for_update():
+        free[pool.name] = 0 if pool.paused else pool.max_concurrency - pool.in_flight
+    admitted, used = [], dict.fromkeys(names, 0)
+    for c in candidates:
+        if c["pool"]:
+            if free.get(c["pool"], 0) - used[c["pool"]] <= 0:
+                continue
+            used[c["pool"]] += 1
+        admitted.append(c)
+    for name, n in used.items():
+        if n:
+            CapacityPool.objects.filter(name=name).update(in_flight=F("in_flight") + n)
+    return admitted
+
+
+def execute(
+    definition: FanOut, run: BatchRun, item: ClaimedItem, result: Any
+) -> tuple[bool, str, str]:
+    """Run the compensation once: (succeeded, error class, error)."""
+    assert definition.compensate is not None
+    handed = Item(item.key, item.index, item.payload, item.attempt, run.pk, item.pool, run.params)
+    try:
+        definition.compensate(handed, result)
+    except Exception as exc:
+        text = "".join(traceback.format_exception(exc, limit=-6))[-4000:]
+        return False, type(exc).__name__, text
+    return True, "", ""
+
+
+def record(
+    run_id: int, definition: FanOut, token: uuid.UUID, item: ClaimedItem, outcome: tuple
+) -> bool:
+    """Write one compensation's outcome if this worker still holds it; give its slots back."""
+    succeeded, error_class, error = outcome
+    with transaction.atomic():
+        held = (
+            ItemClaim.objects.filter(pk=item.pk, claim_token=token, status=ItemStatus.COMPENSATING)
+            .select_for_update()
+            .values("compensation_attempt", "owner", "pool")
+            .first()
+        )
+        if held is None:
+            return False  # it was taken over: the new holder records it
+        row = ItemClaim.objects.filter(pk=item.pk)
+        released = dict(claim_token=None, lease_expires_at=None)
+        if succeeded:
+            row.update(status=ItemStatus.COMPENSATED, **released)
+        else:
+            ItemAttempt.objects.create(
+                item_id=item.pk,
+                attempt=held["compensation_attempt"],
+                owner=held["owner"],
+                error_class=f"compensation: {error_class}",
+                error=error,
+                finished_at=DbNow(),
+            )
+            if held["compensation_attempt"] < definition.max_attempts:
+                from .run import backoff
+
+                row.update(
+                    next_attempt_at=db_now_plus(backoff(definition, held["compensation_attempt"])),
+                    **released,
+                )
+            else:
+                row.update(status=ItemStatus.COMPENSATION_FAILED, error=error, **released)
+        BatchRun.objects.filter(pk=run_id).update(compensating=Greatest(F("compensating") - 1, 0))
+        if held["pool"]:
+            CapacityPool.objects.filter(name=held["pool"]).update(
+                in_flight=Greatest(F("in_flight") - 1, 0)
+            )
+    return True
+
+
+def finish(run_id: int) -> str | None:
+    """End the run once no compensation is left; return its final status, or None."""
+    items = ItemClaim.objects.filter(run_id=run_id)
+    if items.filter(
+        status__in=(ItemStatus.COMPENSATING, ItemStatus.RUNNING, ItemStatus.WAITING)
+    ).exists():
+        return None
+    failed = items.filter(status=ItemStatus.COMPENSATION_FAILED).exists()
+    status = RunStatus.COMPENSATION_FAILED if failed else RunStatus.COMPENSATED
+    ended = BatchRun.objects.filter(pk=run_id, status=RunStatus.COMPENSATING).update(
+        status=status, finished_at=DbNow(), compensating=0
+    )
+    if not ended:
+        return None
+    from .signals import run_finished, send
+
+    send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run_id))
+    return status
+
+
+def retry_failed_compensations(run: BatchRun) -> int:
+    """Put compensations that used up their attempts back to due, and reopen the run."""
+    with transaction.atomic():
+        lock_run(run.pk)
+        count = ItemClaim.objects.filter(
+            run_id=run.pk, status=ItemStatus.COMPENSATION_FAILED
+        ).update(
+            status=ItemStatus.COMPENSATING,
+            compensation_attempt=0,
+            next_attempt_at=DbNow(),
+            error="",
+        )
+        if count:
+            BatchRun.objects.filter(
+                pk=run.pk, status=RunStatus.COMPENSATION_FAILED
+            ).update(status=RunStatus.COMPENSATING, finished_at=None)
+    run.refresh_from_db()
+    return count
+
+
+def drain(definition: FanOut, run_id: int, owner: str, stop: Any, deadline: float | None) -> str:
+    """A worker's loop while its run compensates: claim, run, record, until none is left."""
+    from .conf import conf
+
+    run = BatchRun.objects.get(pk=run_id)
+    while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+        taken = claim(run_id, definition, owner)
+        if taken.run_status != RunStatus.COMPENSATING:
+            return f"run {taken.run_status}"
+        if not taken.items:
+            if finish(run_id):
+                return "run compensated"
+            stop.wait(conf.IDLE_MAX_SECONDS)
+            continue
+        assert taken.token is not None
+        token = taken.token
+
+        def renew(token: uuid.UUID = token) -> None:
+            ItemClaim.objects.filter(
+                claim_token=token, status=ItemStatus.COMPENSATING, lease_expires_at__gt=DbNow()
+            ).update(lease_expires_at=db_now_plus(definition.lease_seconds))
+
+        with keep_alive(renew, definition.lease_seconds / 3):
+            for item, result in taken.items:
+                outcome = execute(definition, run, item, result)
+                record(run_id, definition, token, item, outcome)
+    return "stopped"
+

@@ -1,0 +1,111 @@
+"""Compensation: a failed run undoes what succeeded, durably, in order, within its budget."""
+
+from __future__ import annotations
+
+import uuid
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+
+from fanout.compensate import retry_failed_compensations
+from fanout.definition import get_definition
+from fanout.dispatch import prepare_run, resume
+from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from tests.testapp.models import Execution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def start(name: str, **params: Any) -> BatchRun:
+    return get_definition(name).start(params, run_key=uuid.uuid4().hex, workers=4)
+
+
+def undone(run: BatchRun) -> list[str]:
+    """Keys whose compensation ran, in the order they started."""
+    rows = Execution.objects.filter(run_id=run.pk, key__startswith="undo:").order_by("started")
+    return [r.key.removeprefix("undo:") for r in rows]
+
+
+def test_a_failed_run_compensates_every_succeeded_item_once_latest_finished_first() -> None:
+    run = start("comp_reverse", n=40, sleep=0.02, failing=["s00010"])
+
+    assert run.status == RunStatus.COMPENSATED, run.error
+    items = {i.key: i for i in ItemClaim.objects.filter(run=run)}
+    compensated = [k for k, i in items.items() if i.status == ItemStatus.COMPENSATED]
+    assert compensated, "nothing had succeeded before the failure"
+    # Exactly the items that succeeded, each once, and nothing else.
+    assert sorted(undone(run)) == sorted(compensated)
+    assert items["s00010"].status == ItemStatus.FAILED
+    assert all(
+        i.status in (ItemStatus.COMPENSATED, ItemStatus.FAILED, ItemStatus.CANCELLED)
+        for i in items.values()
+    )
+    # Strictly one after another, the latest finished first.
+    by_finish = sorted(compensated, key=lambda k: (items[k].finished_at, items[k].index))
+    assert undone(run) == list(reversed(by_finish))
+    spans = Execution.objects.filter(run_id=run.pk, key__startswith="undo:").order_by("started")
+    ends = [s.ended for s in spans]
+    assert all(e is not None for e in ends)
+    assert all(nxt.started >= prev for prev, nxt in zip(ends, spans[1:], strict=False))
+
+
+def test_parallel_compensation_keeps_to_its_own_budget() -> None:
+    run = start("comp_parallel", n=12, failing=["s00011"], refund_sleep=0.1)
+
+    assert run.status == RunStatus.COMPENSATED, run.error
+    rows = Execution.objects.filter(run_id=run.pk, key__startswith="undo:")
+    assert rows.count() == 11
+    edges = sorted([(r.started, 1) for r in rows] + [(r.ended, -1) for r in rows])
+    peak = now = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    assert peak == 2  # compensate_max_parallel
+
+
+def test_a_compensation_that_keeps_failing_stays_visible_and_can_be_retried() -> None:
+    # Its refund bounces 3 times: max_attempts=3 is used up.
+    run = start("comp_reverse", n=3, failing=["s00002"], refund_fail={"s00001": 3})
+
+    assert run.status == RunStatus.COMPENSATION_FAILED
+    stuck = ItemClaim.objects.get(run=run, key="s00001")
+    assert stuck.status == ItemStatus.COMPENSATION_FAILED
+    assert "bounced" in stuck.error
+    assert stuck.attempts.filter(error_class__startswith="compensation").count() == 3
+    assert ItemClaim.objects.get(run=run, key="s00000").status == ItemStatus.COMPENSATED
+
+    assert retry_failed_compensations(run) == 1
+    run, handle = resume(run.pk)
+    assert handle is not None
+    handle.join(30)
+    run.refresh_from_db()
+
+    assert run.status == RunStatus.COMPENSATED
+    assert ItemClaim.objects.get(run=run, key="s00001").status == ItemStatus.COMPENSATED
+    assert undone(run).count("s00001") == 4
+
+
+def test_an_operator_cancels_a_run_and_compensates_what_it_did() -> None:
+    definition = get_definition("comp_reverse")
+    run = prepare_run(definition, {"n": 6}, uuid.uuid4().hex)
+    handle = resume(run.pk)[1]
+    assert handle is not None
+    handle.join(30)  # it succeeded: nothing to compensate yet
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED
+
+    run = prepare_run(definition, {"n": 6, "sleep": 0.2}, uuid.uuid4().hex)
+    out = StringIO()
+    call_command("run_fanout", "--cancel", str(run.pk), "--compensate", stdout=out)
+    assert f"run {run.pk} compensating" in out.getvalue()
+    handle = resume(run.pk)[1]
+    assert handle is not None
+    handle.join(30)
+    run.refresh_from_db()
+
+    # Nothing had run: every item was cancelled, nothing needed undoing.
+    assert run.status == RunStatus.COMPENSATED
+    assert set(run.items.values_list("status", flat=True)) == {ItemStatus.CANCELLED}
+    assert undone(run) == []
