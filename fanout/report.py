@@ -48,7 +48,17 @@ FAILED_LISTED = 10_000  # a report lists at most this many failed items
 FAILURE_GROUPS = 20  # error classes listed on a run's page
 WAITING = "waiting"
 # The progress bar's segments, left to right; "waiting" are the pending items held back.
-SEGMENTS = ("succeeded", "failed", "running", WAITING, "pending", "cancelled")
+SEGMENTS = (
+    "succeeded",
+    "compensated",
+    "failed",
+    "compensation_failed",
+    "running",
+    "compensating",
+    WAITING,
+    "pending",
+    "cancelled",
+)
 BAR_WIDTH = 1000  # the scale segments are placed on
 
 
@@ -108,6 +118,10 @@ class Progress:
         out[ItemStatus.RUNNING] += self.counts.get(ItemStatus.WAITING, 0)
         out[WAITING] = self.held
         out[ItemStatus.PENDING] -= self.held
+        # Compensation's segments only where a run compensates.
+        for status in (ItemStatus.COMPENSATING, ItemStatus.COMPENSATED, "compensation_failed"):
+            if not out.get(status):
+                out.pop(status, None)
         return out
 
     def segments(self) -> list[dict[str, Any]]:

@@ -17,6 +17,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from .. import recover
+from ..definition import get_definition
+from ..errors import FanoutError
 from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from ..recover import RETRYABLE_RUNS
 from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of, tree_report
@@ -61,6 +63,13 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
     }
 
 
+def get_definition_or_none(name: str) -> Any:
+    try:
+        return get_definition(name)
+    except FanoutError:
+        return None
+
+
 @admin.register(BatchRun)
 class BatchRunAdmin(FanoutAdmin):
     list_display = (
@@ -75,7 +84,13 @@ class BatchRunAdmin(FanoutAdmin):
     list_filter = ("status", "definition", ("created_at", admin.DateFieldListFilter))
     search_fields = ("run_key",)
     search_help_text = "Search by run key."
-    actions = ("retry_failed_items", "cancel_runs", "redispatch_runs")
+    actions = (
+        "retry_failed_items",
+        "cancel_runs",
+        "cancel_and_compensate_runs",
+        "retry_failed_compensations",
+        "redispatch_runs",
+    )
     change_form_template = "fanout/admin/batchrun/change_form.html"
     fieldsets = (
         (
@@ -305,6 +320,7 @@ class BatchRunAdmin(FanoutAdmin):
             "legend": [
                 {"status": s, "n": counts[s], "url": items_url(run=run.pk, status=s)}
                 for s in SEGMENTS
+                if s in counts
             ],
             "join_result_json": json.dumps(run.join_result, indent=2),
             "failures": [
@@ -339,6 +355,17 @@ class BatchRunAdmin(FanoutAdmin):
         if "cancel_runs" in actions and run.status in CANCELLABLE_RUNS:
             confirm = "Cancel this run? Its pending items are cancelled; running ones finish."
             buttons.append(("cancel_runs", "Cancel run", confirm))
+        compensable = get_definition_or_none(run.definition)
+        if (
+            "cancel_and_compensate_runs" in actions
+            and run.status in CANCELLABLE_RUNS
+            and compensable is not None
+            and compensable.compensate is not None
+        ):
+            confirm = "Cancel this run and undo every item that succeeded?"
+            buttons.append(("cancel_and_compensate_runs", "Cancel and compensate", confirm))
+        if "retry_failed_compensations" in actions and run.status == "compensation_failed":
+            buttons.append(("retry_failed_compensations", "Retry failed compensations", ""))
         return buttons
 
     @staticmethod
@@ -377,6 +404,42 @@ class BatchRunAdmin(FanoutAdmin):
             f"Cancelled {plural(len(runs), 'run')}: {plural(cancelled_items, 'pending item')} "
             "cancelled; running items finish.",
             messages.SUCCESS if runs else messages.WARNING,
+        )
+
+    @action(description="Cancel and compensate (undo what succeeded)", permissions=["cancel"])
+    def cancel_and_compensate_runs(
+        self, request: HttpRequest, queryset: QuerySet[BatchRun]
+    ) -> None:
+        done, refused = [], []
+        for run in queryset.filter(status__in=CANCELLABLE_RUNS):
+            try:
+                recover.cancel_run(run, compensate=True)
+            except FanoutError as exc:
+                refused.append(f"run {run.pk}: {exc}")
+                continue
+            self.log_change(request, run, "Cancelled to compensate.")
+            done.append(run)
+        if done:
+            redispatch(self, request, done)
+        text = f"Compensating {plural(len(done), 'run')}: their succeeded items are undone."
+        if refused:
+            text += " Not compensated: " + "; ".join(refused)
+        self.message_user(request, text, messages.SUCCESS if done else messages.WARNING)
+
+    @action(description="Retry failed compensations", permissions=["retry"])
+    def retry_failed_compensations(
+        self, request: HttpRequest, queryset: QuerySet[BatchRun]
+    ) -> None:
+        from ..compensate import retry_failed_compensations
+
+        runs = list(queryset.filter(status=RunStatus.COMPENSATION_FAILED))
+        count = sum(retry_failed_compensations(run) for run in runs)
+        if runs:
+            redispatch(self, request, runs)
+        self.message_user(
+            request,
+            f"{plural(count, 'compensation')} of {plural(len(runs), 'run')} due again.",
+            messages.SUCCESS if count else messages.WARNING,
         )
 
     @action(description="Re-dispatch (wake workers)", permissions=["dispatch"])

@@ -295,7 +295,7 @@ def test_an_operator_finds_a_runs_failures_and_retries_them_in_the_browser(
 
         # Its items, filtered by status in the sidebar.
         page.get_by_role("link", name="All items").click()
-        page.locator("#changelist-filter").get_by_role("link", name="Failed").click()
+        page.locator("#changelist-filter").get_by_role("link", name="Failed", exact=True).click()
         expect(page).to_have_url(re.compile(r"status=failed"))
         rows = page.locator("#result_list tbody tr")
         expect(rows).to_have_count(14)
