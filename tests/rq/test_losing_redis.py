@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from fanout.definition import get_definition
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from fanout.rq import default_slots
 from tests.procs import other_sessions, wait_until
 from tests.rq.support import (
     assert_succeeded_once_each,
@@ -19,6 +21,7 @@ from tests.rq.support import (
     pending,
     queued,
     report,
+    slot_keys,
     started_call,
 )
 
@@ -53,8 +56,10 @@ def test_a_flush_of_redis_mid_run_is_healed_by_the_waiting_parent_and_every_item
     redis.flushdb()  # FLUSHALL, as far as this session's Redis database goes
     assert drain_jobs(redis, run.pk) == set()
 
-    # The waiting parent sees the run's drain slots empty and enqueues new jobs.
-    wait_until(lambda: drain_jobs(redis, run.pk) - before, 20, "the parent to re-enqueue")
+    # The run's drain slots are taken again: by its live drains, whose heartbeats re-take
+    # them, or by new jobs that the waiting parent (or a worker's supervisor) enqueues.
+    slots = default_slots(run, get_definition("rq_items"))
+    wait_until(lambda: len(slot_keys(redis, run.pk)) == slots, 20, "the slots to be taken again")
     go.touch()
     code, log = parent.finish(timeout=90)
 
