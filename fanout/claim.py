@@ -11,10 +11,11 @@ finishes an item does not come here: it hands its slot to the next item in one s
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -24,6 +25,7 @@ from django.db.models import Count, F
 
 from . import transitions
 from .clock import db_now
+from .conf import conf, host_name
 from .models import BatchRun, CapacityPool, FailurePolicy, ItemClaim, ItemStatus, RunStatus
 from .pools import Headroom, headroom, refill
 from .transitions import ClaimedItem
@@ -81,20 +83,49 @@ def claim(
     crash_budget: int,
     static_pool: str | None,
     before: Callable[[], Any] | None = None,
+    host_limit: tuple[str, int] | None = None,
 ) -> ClaimResult:
     """Claim up to ``limit`` items of the run for ``owner``; say why when fewer are claimed.
 
     ``before`` runs first in the same transaction: a worker records its last outcomes there,
-    so that finishing items and claiming the next cost one commit, not two.
+    so that finishing items and claiming the next cost one commit, not two. ``host_limit``
+    (definition name, N): at most N of that definition's items run on this host at once.
     """
     args = (run_id, owner, limit, lease_seconds, crash_budget, static_pool)
-    result = _claim(*args, before=before)
-    if result.full and not result.items and before is None:
-        # A pool full of leases whose owners died (perhaps another run's, which no worker of
-        # ours may reclaim): give those slots back, then try once more.
-        if transitions.release_expired(ItemClaim.objects.filter(pool__in=result.full)):
-            result = _claim(*args)
+    with host_lock(host_limit):
+        result = _claim(*args, before=before, host_limit=host_limit)
+        if result.full and not result.items and before is None:
+            # A pool full of leases whose owners died (perhaps another run's, which no worker
+            # of ours may reclaim): give those slots back, then try once more.
+            if transitions.release_expired(ItemClaim.objects.filter(pool__in=result.full)):
+                result = _claim(*args, host_limit=host_limit)
     return result
+
+
+@contextlib.contextmanager
+def host_lock(host_limit: tuple[str, int] | None) -> Iterator[None]:
+    """Serialise this host's claimers of one definition, so its host limit is exact.
+
+    A session lock (PostgreSQL's advisory lock, MySQL's GET_LOCK), held around the claim's
+    transaction; SQLite serialises every writer already.
+    """
+    if host_limit is None or connection.vendor not in ("postgresql", "mysql"):
+        yield
+        return
+    name = f"fanout-host:{host_limit[0]}:{host_name()}"
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [name])
+        else:
+            cursor.execute("SELECT GET_LOCK(%s, 60)", [name[:64]])
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", [name])
+            else:
+                cursor.execute("SELECT RELEASE_LOCK(%s)", [name[:64]])
 
 
 def _claim(
@@ -105,6 +136,7 @@ def _claim(
     crash_budget: int,
     static_pool: str | None,
     before: Callable[[], Any] | None = None,
+    host_limit: tuple[str, int] | None = None,
 ) -> ClaimResult:
     with transaction.atomic():
         done = before() if before is not None else None
@@ -118,6 +150,8 @@ def _claim(
             taking = _Claim(
                 run_id, run, owner, lease_seconds, crash_budget, static_pool, before is not None
             )
+            if host_limit is not None:
+                taking.limit_host(*host_limit)
             result = taking.take(limit)
         result.before = done
         return result
@@ -173,6 +207,20 @@ class _Claim:
         self.fresh: list[dict] = []  # pending items taking new slots
         self.reclaimed: list[dict] = []  # expired items keeping their slots
         self.lost: list[dict] = []  # expired items whose crash budget is spent
+        self.host_room: int | None = None  # new items this host may still run (host limit)
+        self.host_reason = ""
+
+    def limit_host(self, definition: str, most: int) -> None:
+        """At most ``most`` of the definition's items run on this host: count its live leases
+        (a new statement under the host's lock, so it sees every claim that committed)."""
+        host = host_name()
+        live = (
+            ItemClaim.objects.in_flight(self.now)
+            .filter(run__definition=definition, owner__startswith=f"{host}:")
+            .count()
+        )
+        self.host_room = most - live
+        self.host_reason = f"host {host} at host_max_parallel ({live}/{most})"
 
     def take(self, limit: int) -> ClaimResult:
         result = ClaimResult(None, failure_policy=self.run["failure_policy"])
@@ -267,6 +315,8 @@ class _Claim:
         if cand["crashes"] + expired > self.crash_budget:
             self.lost.append(cand)
             return
+        if self.host_room is not None and self.host_room <= 0:
+            return  # this host runs as many of the definition's items as it may
         name = cand["pool"]
         pool = self.pools.get(name)
         if expired:
@@ -277,6 +327,7 @@ class _Claim:
                 pool.tokens -= 1
             elif name and pool is None:
                 return
+            self._take_host_slot()
             self.reclaimed.append(cand)
             return
         if len(self.fresh) >= self.room:
@@ -287,7 +338,12 @@ class _Claim:
             self.rooms[name].count -= 1
             if pool is not None and pool.tokens is not None:
                 pool.tokens -= 1
+        self._take_host_slot()
         self.fresh.append(cand)
+
+    def _take_host_slot(self) -> None:
+        if self.host_room is not None:
+            self.host_room -= 1
 
     def _apply(self, result: ClaimResult) -> None:
         if self.lost:
@@ -330,6 +386,9 @@ class _Claim:
             result.reason = "; ".join(f"{n}: {self.rooms[n].reason}" for n in sorted(self.blocked))
             times = [r.until for r in reasons if r.until]
             result.retry_at = min(times) if times else None
+        elif self.host_room is not None and self.host_room <= 0 and not result.items:
+            result.reason = self.host_reason
+            result.retry_in = float(conf.IDLE_MAX_SECONDS)
         elif self.room <= 0 and not result.items:
             used, limit_ = self.run["in_flight"], self.run["max_parallel"]
             result.reason = f"run at max_parallel ({used}/{limit_})"

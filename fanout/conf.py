@@ -34,6 +34,8 @@ DEFAULTS: dict[str, Any] = {
     "JOIN_RETRY_BACKOFF": 2.0,
     # The join's lease: a joiner that dies is replaced this long after its last renewal.
     "JOIN_LEASE_SECONDS": 60.0,
+    # This machine's name in owners and host limits (default: socket.gethostname()).
+    "HOST_NAME": None,
     # Longest pause of an idle worker between claim attempts.
     "IDLE_MAX_SECONDS": 0.25,
 }
@@ -60,9 +62,17 @@ class Settings:
     STOP_GRACE_SECONDS: float
     IDLE_MAX_SECONDS: float
     SUPERVISE_SECONDS: float
+    HOST_NAME: str | None
     JOIN_ATTEMPTS: int
     JOIN_RETRY_BACKOFF: float
     JOIN_LEASE_SECONDS: float
 
 
 conf = Settings()
+
+
+def host_name() -> str:
+    """This host's name, as owners and per-host limits see it."""
+    import socket
+
+    return str(conf.HOST_NAME or socket.gethostname())

@@ -144,6 +144,7 @@ class FanOut:
         compensate: Callable[[Item, Any], Any] | None = None,
         compensate_order: str = "reverse",
         compensate_max_parallel: int | None = None,
+        host_max_parallel: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise FanoutError(
@@ -201,6 +202,8 @@ class FanOut:
             )
         if compensate_max_parallel is not None:
             _check_positive_int(name, "compensate_max_parallel", compensate_max_parallel)
+        if host_max_parallel is not None:
+            _check_positive_int(name, "host_max_parallel", host_max_parallel)
         if params is not None and not isinstance(params, Mapping):
             raise FanoutError(f"fan-out {name!r}: params must be a mapping of name to type")
 
@@ -227,6 +230,7 @@ class FanOut:
         self.compensate = compensate
         self.compensate_order = compensate_order
         self.compensate_max_parallel = compensate_max_parallel
+        self.host_max_parallel = host_max_parallel
 
         previous = _registry.get(name)
         if previous is not None and previous.module != self.module:

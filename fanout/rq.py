@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -24,7 +23,7 @@ from redis.exceptions import RedisError
 from rq import SimpleWorker, get_current_job
 from rq.serializers import JSONSerializer
 
-from .conf import conf
+from .conf import conf, host_name
 from .definition import FanOut, get_definition
 from .errors import DefinitionNotFound, FanoutError
 from .lease import LeaseKeeper
@@ -220,7 +219,7 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
         from .apps import import_errors
 
         reason = f"no worker could run {run.definition!r}: unknown fan-out on host "
-        reason += f"{socket.gethostname()} (workers started before it was deployed?)"
+        reason += f"{host_name()} (workers started before it was deployed?)"
         for module, error in import_errors().items():
             reason += f"; {module} failed to import there: {error}"
         note_stall(run_id, reason)

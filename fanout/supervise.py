@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import threading
 
 from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 
 from .clock import DbNow, db_now_plus
-from .conf import conf
+from .conf import conf, host_name
 from .models import BatchRun, ItemClaim, RunStatus
 
 logger = logging.getLogger("fanout")
@@ -95,7 +94,7 @@ def redispatch(run: BatchRun) -> str:
     try:
         definition = get_definition(run.definition)
     except FanoutError as exc:
-        note_stall(run.pk, f"{exc} (on host {socket.gethostname()})")
+        note_stall(run.pk, f"{exc} (on host {host_name()})")
         return "stalled: unknown definition here"
     try:
         failures = reap_slots(run, definition)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 from django.db import InterfaceError, OperationalError, connection
 
 from .claim import ClaimResult, claim
-from .conf import conf
+from .conf import conf, host_name
 from .definition import FanOut
 from .join import maybe_join
 from .lease import LeaseKeeper
@@ -111,7 +110,7 @@ def announce(run_id: int, outcomes: list[ExecutionOutcome]) -> None:
 
 
 def owner_name(suffix: str = "") -> str:
-    name = f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+    name = f"{host_name()}:{os.getpid()}:{threading.current_thread().name}"
     return f"{name}:{suffix}" if suffix else name
 
 
@@ -267,6 +266,11 @@ class Drain:
                 definition.crash_budget,
                 definition.static_pool,
                 before=partial(self._record, batch) if batch is not None else None,
+                host_limit=(
+                    (definition.name, definition.host_max_parallel)
+                    if definition.host_max_parallel
+                    else None
+                ),
             )
         )
         if result is None:

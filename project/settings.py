@@ -158,6 +158,9 @@ LOGGING = {
 # -------------------------------------------------------------------- fanout
 
 # The capacity pool used by the demo definition (project/demo/fanouts.py).
+# The name this machine goes by in owners and per-host limits (default: its hostname).
+FANOUT_HOST_NAME = os.environ.get("FANOUT_HOST_NAME") or None
+
 FANOUT_POOLS = {
     "thumbnailer": {"max_concurrency": 3, "rate": "20/s"},
 }

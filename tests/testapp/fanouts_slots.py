@@ -255,3 +255,7 @@ FanOut(
     compensate_max_parallel=2,
     **charges,
 )
+
+
+# At most 2 items per host, however many threads and processes a host has.
+FanOut("slots_per_host", max_parallel=12, host_max_parallel=2, lease_seconds=3, **common)

@@ -1,0 +1,59 @@
+"""host_max_parallel: at most N of a definition's items run at once on any one host."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fanout.definition import get_definition
+from fanout.dispatch import prepare_run
+from fanout.models import RunStatus
+from tests import procs
+from tests.testapp.models import Execution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def most_at_once(rows: list[Execution]) -> int:
+    edges = sorted([(r.started, 1) for r in rows] + [(r.ended, -1) for r in rows])
+    peak = now = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def test_two_hosts_each_run_at_most_host_max_parallel_items_at_once(
+    database_url: str, tmp_path: Path, children: list[Any]
+) -> None:
+    run = prepare_run(get_definition("slots_per_host"), {"n": 60, "sleep": 0.05}, uuid.uuid4().hex)
+    command = ["run_fanout", "--resume", str(run.pk), "--workers", "6", "--json"]
+    go = tmp_path / "go"
+    hosts = {}
+    started = []
+    # Two processes on each of two hosts (named by FANOUT_HOST_NAME), six threads each.
+    for n, host in enumerate(["host-a", "host-a", "host-b", "host-b"]):
+        env = procs.child_env(database_url, FANOUT_HOST_NAME=host)
+        proc = procs.spawn_manage(command, env, tmp_path / f"ready-{n}", go)
+        children.append(proc)
+        started.append(proc)
+        hosts[str(proc.pid)] = host
+    procs.release_together(started, [tmp_path / f"ready-{n}" for n in range(4)], go)
+    for proc in started:
+        code, out, err = procs.finish(proc, timeout=120)
+        assert code == 0, err
+
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED
+    by_host: dict[str, list[Execution]] = defaultdict(list)
+    for row in Execution.objects.filter(run_id=run.pk):
+        by_host[hosts[row.worker]].append(row)
+    assert sum(len(rows) for rows in by_host.values()) == 60
+    assert {host: most_at_once(rows) for host, rows in by_host.items()} == {
+        "host-a": 2,
+        "host-b": 2,
+    }
