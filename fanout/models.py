@@ -76,7 +76,7 @@ class BatchRun(models.Model):
     total_items = models.PositiveIntegerField(default=0)
     # Items of this run that are running (live or expired lease), kept exact by every item
     # transition: the run's max_parallel is decided from this counter under this row's lock.
-    in_flight = models.PositiveIntegerField(default=0)
+    in_flight = models.PositiveIntegerField(default=0, db_default=0)
     # Materialization is resumable: items below this index are committed.
     materialized_upto = models.PositiveIntegerField(default=0)
     materialize_token = models.UUIDField(null=True, blank=True)
@@ -90,9 +90,9 @@ class BatchRun(models.Model):
         help_text="Calls of the join function: more than one after a crash, a raise or a retry.",
     )
     # Joins that raised since the run last (re)opened: retried with backoff up to a limit.
-    join_failures = models.PositiveIntegerField(default=0)
+    join_failures = models.PositiveIntegerField(default=0, db_default=0)
     # Compensations running now (a FanOut's compensate=): their own budget, under this lock.
-    compensating = models.PositiveIntegerField(default=0)
+    compensating = models.PositiveIntegerField(default=0, db_default=0)
     error = models.TextField(blank=True)
     # Why no worker could run it (a misconfigured or outdated worker), until one does.
     stalled = models.TextField(blank=True, default="")
@@ -204,7 +204,7 @@ class ItemClaim(models.Model):
     crashes = models.PositiveIntegerField(default=0)
     # Attempts of its compensation (a FanOut's compensate=), once it succeeded and its run
     # failed; the compensation's own lease uses claim_token and lease_expires_at.
-    compensation_attempt = models.PositiveIntegerField(default=0)
+    compensation_attempt = models.PositiveIntegerField(default=0, db_default=0)
     next_attempt_at = models.DateTimeField(default=timezone.now)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
@@ -293,7 +293,7 @@ class CapacityPool(models.Model):
     paused = models.BooleanField(default=False)
     # Items of this pool that are running (live or expired lease), across every run; kept exact
     # by every item transition and decided under this row's lock.
-    in_flight = models.PositiveIntegerField(default=0)
+    in_flight = models.PositiveIntegerField(default=0, db_default=0)
     # Token bucket state, written only under this row's lock.
     tokens = models.FloatField(null=True, blank=True)
     tokens_at = models.DateTimeField(null=True, blank=True)

@@ -251,6 +251,9 @@ def failure_groups(run_id: int, limit: int = FAILURE_GROUPS) -> list[FailureGrou
     return [FailureGroup(g["error_class"], g["n"], examples.get(g["example"])) for g in groups]
 
 
+CLASSIC_STATUSES = ("pending", "running", "succeeded", "failed", "cancelled")
+
+
 def tree_report(run: BatchRun) -> dict[str, Any]:
     """For a run with child runs (Item.spawn): how many runs its tree has and their items'
     counts per status, summed over every level."""
@@ -283,8 +286,8 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         "run_key": run.run_key,
         "definition": run.definition,
         "status": run.status,
-        # "waiting" (items waiting on a child run) only while there are any.
-        "counts": {s: n for s, n in progress.counts.items() if n or s != ItemStatus.WAITING},
+        # The statuses of nesting and compensation only where a run has such items.
+        "counts": {s: n for s, n in progress.counts.items() if n or s in CLASSIC_STATUSES},
         **tree_report(run),
         "failed": [
             {"key": f["key"], "error": last_line(f["error"]) or f["error_class"]} for f in failed

@@ -21,6 +21,7 @@ import threading
 
 from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
+from redis.exceptions import RedisError
 
 from .clock import DbNow, db_now_plus
 from .conf import conf, host_name
@@ -101,7 +102,8 @@ def redispatch(run: BatchRun) -> str:
         if failures:
             note_stall(run.pk, failures[-1])
         enqueued = enqueue_drains(run, definition)
-    except FanoutError as exc:
+    except (FanoutError, RedisError) as exc:
+        # Redis is down or restarting: the rows keep the run; the next round tries again.
         logger.warning("run %s: could not re-dispatch: %s", run.pk, exc)
         return f"not re-dispatched: {exc}"
     return f"re-dispatched {enqueued} drain jobs"

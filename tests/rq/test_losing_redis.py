@@ -125,7 +125,7 @@ def test_a_waiting_parent_rides_out_a_redis_restart_and_reports_the_finished_run
     processes.workers(2)  # they reach Redis directly; only the parent goes through the relay
     go = tmp_path / "go"
     parent = processes.manage(
-        ["run_fanout", "rq_items", "--param", "n=40", "--param", "delay=0.01"]
+        ["run_fanout", "rq_items", "--param", "n=30", "--param", "delay=1.5"]
         + ["--param", "block_key=r00002", "--param", f"block_file={go}"]
         + ["--executor", "rq", "--json"],
         env={**processes.env, "REDIS_URL": redis_relay.url},
@@ -134,8 +134,9 @@ def test_a_waiting_parent_rides_out_a_redis_restart_and_reports_the_finished_run
     started_call(run.pk, "r00002")
 
     redis_relay.cut()  # Redis goes away for the parent
+    # While items wait their turn, the parent keeps tending the run: it tries Redis again.
     wait_until(
-        lambda: parent.proc.poll() is not None or redis_relay.dropped >= 8,
+        lambda: parent.proc.poll() is not None or redis_relay.dropped >= 2,
         30,
         "the parent to try Redis again and again (or die)",
     )
@@ -145,4 +146,4 @@ def test_a_waiting_parent_rides_out_a_redis_restart_and_reports_the_finished_run
 
     assert code == 0, log
     assert report(parent.stdout())["status"] == RunStatus.SUCCEEDED
-    assert_succeeded_once_each(run.pk, 40)
+    assert_succeeded_once_each(run.pk, 30)
