@@ -13,7 +13,9 @@ PYTEST_ARGS ?=
 
 # What must hold on MariaDB as on PostgreSQL: racing parents and workers run every item once,
 # a SIGKILLed owner's item is reclaimed, limits stay exact across processes.
-RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py
+RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
+	tests/test_slots.py tests/test_clock_skew.py tests/test_host_limit.py \
+	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py
 
 .PHONY: venv demo test test-mariadb matrix lint clean
 
@@ -47,12 +49,14 @@ test: export DATABASE_URL ?= $(TEST_DATABASE_URL)
 test: export REDIS_URL ?= $(TEST_REDIS_URL)
 test: venv
 	scripts/services.sh
+	scripts/test-deps.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-mariadb: export DATABASE_URL = $(TEST_MYSQL_URL)
 test-mariadb: export REDIS_URL ?= $(TEST_REDIS_URL)
 test-mariadb: venv
 	scripts/services.sh
+	scripts/test-deps.sh
 	$(PY) -m pytest $(RACING_TESTS) $(PYTEST_ARGS)
 
 # Every supported Django on Python 3.12 and 3.13 (nox -l lists the sessions).

@@ -7,13 +7,12 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from fanout.definition import get_definition
 from fanout.dispatch import resume
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from fanout.recover import cancel_run, retry_failed
-from tests.procs import wait_until
+from tests.procs import other_sessions, wait_until
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -135,11 +134,3 @@ def test_cancelling_the_parent_cancels_every_unfinished_descendant() -> None:
     assert sum(r.items.filter(status=ItemStatus.CANCELLED).count() for r in leaves) > 0
     wait_until(lambda: other_sessions() == 0, 30, "the tree's worker threads to end")
 
-
-def other_sessions() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0]
