@@ -1,7 +1,9 @@
 """The benchmark's definitions, autodiscovered in bench/run.py and in every RQ worker it starts.
 
-The batch size of the throughput definitions comes from FANOUT_BENCH_BATCH (default 200); the
-script passes the same value to the workers it starts.
+The batched definitions take their batch size from FANOUT_BENCH_BATCH (default 200); the script
+passes the same value to the workers it starts. The per-item definitions leave ``batch_size``
+unset, so they run with the library's default (FANOUT_BATCH_SIZE, 1: every item committed on
+its own), as users run them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from fanout import FanOut, Item, Outcome
 
 BATCH = int(os.environ.get("FANOUT_BENCH_BATCH", "200"))
 MAX_PARALLEL = 1000  # high enough never to bind: the throughput runs measure the machinery
+SLOW_SLEEP = 0.02  # seconds each item of the max_parallel-bound run takes
+SLOW_MAX_PARALLEL = 16  # so that run's limit is 16 / 0.02 s = 800 items/s
 POOL_SLEEP = 0.05  # seconds each item of the concurrency-limited pool takes
 
 
@@ -38,11 +42,19 @@ def sleep_1ms(item: Item) -> None:
     time.sleep(0.001)
 
 
-def sleep_pool(item: Item) -> list[float]:
-    """Return when the handler ran, so the script can count handlers running at once."""
+def _sleep(seconds: float) -> list[float]:
+    """Sleep; return when the handler ran, so the script can count handlers running at once."""
     started = time.time()
-    time.sleep(POOL_SLEEP)
+    time.sleep(seconds)
     return [started, time.time()]
+
+
+def sleep_20ms(item: Item) -> list[float]:
+    return _sleep(SLOW_SLEEP)
+
+
+def sleep_pool(item: Item) -> list[float]:
+    return _sleep(POOL_SLEEP)
 
 
 common = dict(
@@ -56,16 +68,18 @@ common = dict(
 
 FanOut("bench.noop", do=noop, batch_size=BATCH, **common)
 FanOut("bench.sleep1ms", do=sleep_1ms, batch_size=BATCH, **common)
-# Per-item commit: every item is claimed in its own transaction and recorded in another.
-FanOut("bench.noop_each", do=noop, batch_size=1, **common)
+# Per-item commit, the default: each item is claimed durably before it runs and its outcome
+# committed after (on PostgreSQL with the next item's claim, in one statement).
+FanOut("bench.noop_each", do=noop, **common)
+# 20 ms items bound by max_parallel=16: the limit is 800 items/s, reached only if the workers
+# keep 16 items in flight (2 processes x FANOUT_WORKER_THREADS threads).
+FanOut(
+    "bench.sleep20ms",
+    do=sleep_20ms,
+    **{**common, "max_parallel": SLOW_MAX_PARALLEL},
+)
 # Materialization only (never dispatched).
 FanOut("bench.materialize", do=noop, **common)
 # Pool-limited (settings.FANOUT_POOLS): 4 at once with a 50 ms handler; 50 admissions/s.
-FanOut(
-    "bench.pool_conc4",
-    do=sleep_pool,
-    pool="bench-conc4",
-    batch_size=1,
-    **{**common, "max_parallel": 64},
-)
-FanOut("bench.pool_rate50", do=noop, pool="bench-rate50", batch_size=1, **common)
+FanOut("bench.pool_conc4", do=sleep_pool, pool="bench-conc4", **{**common, "max_parallel": 64})
+FanOut("bench.pool_rate50", do=noop, pool="bench-rate50", **common)

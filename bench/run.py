@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Benchmark of fanout on PostgreSQL and Redis: throughput, baseline, materialization, claim
-cost and pool-limited runs, in one invocation (see bench/README.md).
+"""Benchmark of fanout on PostgreSQL and Redis: per-item commit against a bare psycopg loop,
+batched throughput, materialization, claim cost and pool-limited runs, in one invocation (see
+bench/README.md).
 
     .venv/bin/python bench/run.py [--items N] [--repeats R] [--quick] [--json PATH]
 
@@ -110,7 +111,11 @@ def spawn(cmd: list[str], log: Path | None = None, **kwargs: Any) -> subprocess.
 
 
 class Workers:
-    """``count`` rqworker processes on the fanout queue, stopped on exit whatever happens."""
+    """``count`` rqworker processes on the fanout queue, stopped on exit whatever happens.
+
+    Started as users start them, ``manage.py rqworker fanout``: the worker class (FanoutWorker)
+    and FANOUT_WORKER_THREADS come from the settings (bench.settings = the project's).
+    """
 
     def __init__(self, count: int, logdir: Path) -> None:
         self.count = count
@@ -133,8 +138,6 @@ class Workers:
                     "manage.py",
                     "rqworker",
                     "fanout",
-                    "--worker-class",
-                    "fanout.rq.FanoutWorker",
                     "--name",
                     name,
                     "--max-idle-time",
@@ -156,11 +159,26 @@ class Workers:
             self.__exit__()
             raise
 
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
     def check(self) -> None:
+        """Raise if a worker died or a drain job failed: a failed drain frees its slot only
+        when its key expires, and the run would then sit until the benchmark's timeout."""
         for proc, log in zip(self.procs, self.logs, strict=True):
             if proc.poll() is not None:
                 tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
                 raise RuntimeError(f"rqworker exited with {proc.returncode}; log {log}:\n{tail}")
+        import django_rq
+        from rq.registry import FailedJobRegistry
+
+        failed = FailedJobRegistry(queue=django_rq.get_queue("fanout"))
+        ids = failed.get_job_ids()
+        if ids:
+            job = failed.get_queue().fetch_job(ids[-1])
+            exc = (job.latest_result().exc_string if job and job.latest_result() else "") or ""
+            failed.connection.delete(failed.key)  # reported once; the next run starts clean
+            raise RuntimeError(f"{len(ids)} drain job(s) failed; the last: {exc[-1500:]}")
 
     def wait_idle(self, timeout: float = 15.0) -> None:
         """Wait until no drain job is queued or running (the previous run's drains returned)."""
@@ -174,6 +192,7 @@ class Workers:
             if queue.count == 0 and started.count == 0:
                 return
             time.sleep(0.02)
+        log(f"  drain jobs of an earlier run still queued or running after {timeout:.0f} s")
 
     def __exit__(self, *exc: object) -> None:
         for proc in self.procs:
@@ -277,8 +296,8 @@ def conninfo(dbname: str | None = None) -> str:
     return " ".join(f"{k}='{v}'" for k, v in parts.items() if v)
 
 
-def ensure_database() -> None:
-    """Create the bench database if it is missing (before Django connects to it)."""
+def ensure_database(recreate: bool = False) -> None:
+    """Create the bench database if it is missing (before Django connects to it), or afresh."""
     import psycopg
 
     cfg = db_settings()
@@ -291,9 +310,28 @@ def ensure_database() -> None:
             "use a database whose name contains 'bench'"
         )
     with psycopg.connect(conninfo("postgres"), autocommit=True) as conn:
+        if recreate:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             conn.execute(f'CREATE DATABASE "{name}"')
             log(f"created database {name}")
+
+
+def migrate() -> None:
+    """Migrate the bench database; if its history no longer matches fanout's migrations (one
+    was renamed or rewritten while fanout is being developed), start it afresh: it holds only
+    what the benchmark writes."""
+    from django.core.management import call_command
+    from django.db import DatabaseError, connection
+    from django.db.migrations.exceptions import InconsistentMigrationHistory
+
+    try:
+        call_command("migrate", verbosity=0)
+    except (DatabaseError, InconsistentMigrationHistory) as exc:
+        log(f"migrate failed ({str(exc).strip()[:200]}); recreating the bench database")
+        connection.close()
+        ensure_database(recreate=True)
+        call_command("migrate", verbosity=0)
 
 
 def redis_conn() -> Any:
@@ -314,9 +352,14 @@ def reset_tables() -> None:
     from django.db import connection
 
     with connection.cursor() as cur:
+        # Every table of fanout's, read from the database: a migration may add one mid-run.
         cur.execute(
-            "TRUNCATE fanout_itemclaim, fanout_batchrun, fanout_capacitypool RESTART IDENTITY"
+            "SELECT quote_ident(tablename) FROM pg_tables "
+            "WHERE schemaname = current_schema() AND tablename LIKE 'fanout\\_%'"
         )
+        tables = ", ".join(row[0] for row in cur.fetchall())
+        # Ids keep counting up: a worker process must never meet a new run under an old id.
+        cur.execute(f"TRUNCATE {tables}")
 
 
 def analyze() -> None:
@@ -325,6 +368,112 @@ def analyze() -> None:
     with connection.cursor() as cur:
         cur.execute("ANALYZE fanout_itemclaim")
         cur.execute("ANALYZE fanout_batchrun")
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/PID/stat from field 3 on (the command name may hold spaces); [] if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used."""
+    f = _stat_fields(pid)
+    return (int(f[11]) + int(f[12])) / CLK_TCK if f else 0.0
+
+
+def our_backends() -> dict[int, float]:
+    """CPU seconds of each PostgreSQL backend connected to the bench database (by its process
+    title, "postgres: ... USER DBNAME HOST(PORT) STATE"): other users' databases left out."""
+    name = f" {db_settings()['NAME']} "
+    found: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "postgres":
+                continue
+            if name not in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                continue
+        except (OSError, UnicodeDecodeError):
+            continue
+        cpu = process_cpu(int(entry.name))
+        if cpu:
+            found[int(entry.name)] = cpu
+    return found
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent busy (not idle, not waiting on I/O)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values[:8]) - values[3] - values[4]) / CLK_TCK
+
+
+class Usage:
+    """Where the CPU went while ``n`` items ran: in the given processes (the workers, or this
+    one), in the PostgreSQL backends of the bench database, and machine-wide (other users'
+    load included). Backends come and go with drain jobs: the known ones are read every 0.1 s
+    (each one's last figure counts), and new ones looked for every 0.5 s."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.started = time.monotonic()
+        self.cpu = sum(process_cpu(pid) for pid in pids)
+        self.busy = machine_busy()
+        self.base = our_backends()
+        self.seen = dict(self.base)
+        self.done = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        ticks = 0
+        while not self.done.wait(0.1):
+            ticks += 1
+            if ticks % 5 == 0:
+                self.seen.update(our_backends())
+                continue
+            for pid in list(self.seen):
+                cpu = process_cpu(pid)
+                if cpu:  # 0 once it has exited: keep its last figure
+                    self.seen[pid] = max(cpu, self.seen[pid])
+
+    def stop(self) -> None:
+        self.done.set()
+        self.watcher.join()
+
+    def per_item(self, n: int, postgres: float | None = None) -> dict[str, float]:
+        """Per item of ``n``; ``postgres``: the backends' CPU seconds, when known exactly."""
+        self.stop()  # once more is harmless
+        self.seen.update(our_backends())
+        wall = time.monotonic() - self.started
+        ours = sum(process_cpu(pid) for pid in self.pids) - self.cpu
+        pg = sum(cpu - self.base.get(pid, 0.0) for pid, cpu in self.seen.items())
+        if postgres is not None:
+            pg = postgres
+        wall = max(wall, 1e-9)
+        return {
+            "cpu_ms_per_item": ours * 1000 / n,
+            "postgres_cpu_ms_per_item": pg * 1000 / n,
+            "our_cores": (ours + pg) / wall,
+            "busy_cores": (machine_busy() - self.busy) / wall,
+        }
+
+
+def code_digest() -> str:
+    """A digest of fanout's source and migrations: the code under test may change during a run."""
+    import hashlib
+
+    digest = hashlib.sha1()
+    for path in sorted((ROOT / "fanout").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def run_key(name: str) -> str:
@@ -385,7 +534,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
-# ------------------------------------------------------------------- 1. end-to-end throughput
+# ------------------------------------------------------------------------ runs through fanout
+
+
+def db_time() -> datetime:
+    """The database server's time: fanout writes runs' started_at and finished_at by it."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT clock_timestamp()")
+        return cur.fetchone()[0]
 
 
 def wait_run(run_id: int, timeout: float, workers: Workers | None = None) -> Any:
@@ -406,79 +564,230 @@ def wait_run(run_id: int, timeout: float, workers: Workers | None = None) -> Any
         time.sleep(0.01)
 
 
-def one_run(name: str, n: int, executor: str, workers: int, pool: Workers | None) -> dict:
-    """Start a run of ``n`` items and wait for its join; return timings from start to join."""
-    from django.utils import timezone
+def one_run(
+    name: str, n: int, executor: str, workers: int | None, pool: Workers | None
+) -> dict[str, Any]:
+    """Start a run of ``n`` items and wait for its join; return timings from start to join.
 
+    ``workers`` is the inline executor's threads; through RQ it is None, so the run gets the
+    library's default number of drain jobs, each running FANOUT_WORKER_THREADS items at once.
+    """
     from fanout.definition import get_definition
 
     definition = get_definition(name)
     reset_tables()
     if pool is not None:
         pool.wait_idle()
-    t0 = timezone.now()
-    m0 = time.monotonic()
-    run = definition.start(
-        {"n": n}, run_key(name), executor=executor, workers=workers, wait=executor == "inline"
-    )
-    if executor == "rq":
-        run = wait_run(run.pk, timeout=120 + n / 100, workers=pool)
-        elapsed = (run.finished_at - t0).total_seconds()
-    else:
-        elapsed = time.monotonic() - m0
+    usage = Usage(pool.pids() if pool is not None else [os.getpid()])
+    try:
+        t0 = db_time()
+        run = definition.start(
+            {"n": n}, run_key(name), executor=executor, workers=workers, wait=executor == "inline"
+        )
+        if executor == "rq":
+            run = wait_run(run.pk, timeout=120 + n / 100, workers=pool)
+    finally:
+        usage.stop()
+    cpu = usage.per_item(n)
     ok = run.status == "succeeded" and run.join_result == n and run.join_runs == 1
     if not ok:
         raise RuntimeError(
             f"{name} via {executor}: run {run.pk} ended {run.status}, join_result "
             f"{run.join_result!r} (want {n}), join_runs {run.join_runs}: {run.error[:500]}"
         )
-    materialize = (run.started_at - t0).total_seconds()
+    elapsed = (run.finished_at - t0).total_seconds()
     return {
+        "run_id": run.pk,
         "seconds": elapsed,
         "items_per_s": n / elapsed,
-        "materialize_s": materialize,
+        "materialize_s": (run.started_at - t0).total_seconds(),
         "drain_and_join_s": (run.finished_at - run.started_at).total_seconds(),
+        **cpu,
     }
 
 
+def handler_spans(run_id: int) -> list[tuple[float, float]]:
+    """[(start, end)] of every handler of a run whose handler returns its own start and end."""
+    from fanout.models import ItemClaim
+
+    rows = ItemClaim.objects.filter(run_id=run_id).values_list("result", flat=True)
+    return [(r[0], r[1]) for r in rows]
+
+
+def run_entry(
+    name: str, n: int, executor: str, workers: int, samples: list[dict[str, Any]]
+) -> dict[str, Any]:
+    from fanout.definition import get_definition
+
+    definition = get_definition(name)
+    return {
+        "definition": name,
+        "items": n,
+        "executor": executor,
+        "workers": workers,
+        "batch_size": definition.batch_size,
+        "max_parallel": definition.max_parallel,
+        "items_per_s": stats([s["items_per_s"] for s in samples]),
+        "seconds": stats([s["seconds"] for s in samples]),
+        "materialize_s": stats([s["materialize_s"] for s in samples]),
+        "drain_and_join_s": stats([s["drain_and_join_s"] for s in samples]),
+        **{k: stats([s[k] for s in samples]) for k in CPU_FIELDS},
+    }
+
+
+CPU_FIELDS = ("cpu_ms_per_item", "postgres_cpu_ms_per_item", "our_cores", "busy_cores")
+
+
+def warm_up(pool: Workers) -> None:
+    """One small untimed run, so that the first timed one does not pay the workers' start."""
+    retry_db("warm-up", lambda: one_run("bench.noop_each", 50, "rq", None, pool))
+
+
+def logged(key: str, n: int, res: dict[str, Any], r: int) -> None:
+    log(
+        f"  {key} #{r + 1}: {n} items in {res['seconds']:.2f} s = "
+        f"{res['items_per_s']:,.0f}/s (materialize {res['materialize_s']:.2f} s; CPU per item: "
+        f"{res['cpu_ms_per_item']:.2f} ms client, {res['postgres_cpu_ms_per_item']:.2f} ms "
+        f"PostgreSQL; cores: {res['our_cores']:.2f} ours, {res['busy_cores']:.2f} busy)"
+    )
+
+
+# --------------------------------------------------------------------- 1. per-item commit
+
+
+def per_item_repeat(cfg: argparse.Namespace, logdir: Path, r: int) -> dict[str, dict[str, Any]]:
+    """One repeat: RQ 1 worker, the bare 2-transaction loop, RQ 2 workers, 20 ms items."""
+    n, n_slow = cfg.each_items, cfg.slow_items
+    found: dict[str, dict[str, Any]] = {}
+    with Workers(1, logdir) as pool:
+        warm_up(pool)
+        found["rq1"] = retry_db(
+            "per_item/rq1", lambda: one_run("bench.noop_each", n, "rq", None, pool)
+        )
+    logged("per_item_commit/rq1", n, found["rq1"], r)
+    found["bare"] = retry_db("bare_2tx_2conn", partial(bare_once, n, 1, 2, two_tx=True))
+    log(
+        f"  bare_2tx_2conn #{r + 1}: {n} rows in {found['bare']['seconds']:.2f} s = "
+        f"{found['bare']['items_per_s']:,.0f}/s"
+    )
+    with Workers(2, logdir) as pool:
+        warm_up(pool)
+        found["rq2"] = retry_db(
+            "per_item/rq2", lambda: one_run("bench.noop_each", n, "rq", None, pool)
+        )
+        logged("per_item_commit/rq2", n, found["rq2"], r)
+        found["slow"] = retry_db(
+            "sleep20ms/rq2", lambda: one_run("bench.sleep20ms", n_slow, "rq", None, pool)
+        )
+    found["slow"]["max_in_flight"] = max_overlap(handler_spans(found["slow"]["run_id"]))
+    logged("sleep20ms/rq2", n_slow, found["slow"], r)
+    return found
+
+
+def phase_per_item(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """Issue 10's per-item targets, with the library's defaults (batch_size 1, default threads).
+
+    Each ratio is taken within its repeat, whose figures are seconds apart: on a shared
+    machine, figures measured minutes apart would mostly measure the load's drift.
+    """
+    from bench.fanouts import SLOW_MAX_PARALLEL, SLOW_SLEEP
+
+    limit = SLOW_MAX_PARALLEL / SLOW_SLEEP
+    repeats = []
+    for r in range(cfg.repeats):
+        found = per_item_repeat(cfg, logdir, r)
+        found["ratios"] = {
+            "to_bare": found["rq2"]["items_per_s"] / found["bare"]["items_per_s"],
+            "scaling": found["rq2"]["items_per_s"] / found["rq1"]["items_per_s"],
+        }
+        repeats.append(found)
+        log(
+            f"    20 ms: {found['slow']['items_per_s'] / limit:.1%} of {limit:.0f}/s, at most "
+            f"{found['slow']['max_in_flight']} at once; RQ 2 workers / bare 2-tx loop "
+            f"{found['ratios']['to_bare']:.2f}, / RQ 1 worker {found['ratios']['scaling']:.2f}"
+        )
+    reset_tables()
+    peak = max(f["slow"]["max_in_flight"] for f in repeats)
+    slow = run_entry("bench.sleep20ms", cfg.slow_items, "rq", 2, [f["slow"] for f in repeats])
+    slow.update(
+        limit=f"{SLOW_MAX_PARALLEL} at once x {SLOW_SLEEP * 1000:.0f} ms = {limit:.0f} items/s",
+        limit_items_per_s=limit,
+        fraction_of_limit=stats([f["slow"]["items_per_s"] / limit for f in repeats]),
+        max_in_flight=peak,
+        exceeded=peak > SLOW_MAX_PARALLEL,
+    )
+    bare = [f["bare"] for f in repeats]
+    return {
+        "bare_2tx_2conn": {
+            "items": cfg.each_items,
+            "batch": 1,
+            "connections": 2,
+            "transactions_per_item": 2,
+            **{k: stats([s[k] for s in bare]) for k in ("items_per_s", "seconds", *CPU_FIELDS)},
+        },
+        "per_item_commit/rq1": run_entry(
+            "bench.noop_each", cfg.each_items, "rq", 1, [f["rq1"] for f in repeats]
+        ),
+        "per_item_commit/rq2": run_entry(
+            "bench.noop_each", cfg.each_items, "rq", 2, [f["rq2"] for f in repeats]
+        ),
+        "sleep20ms/rq2": slow,
+        "ratio_rq2_to_bare_2tx_2conn": stats([f["ratios"]["to_bare"] for f in repeats]),
+        "ratio_rq2_to_rq1": stats([f["ratios"]["scaling"] for f in repeats]),
+        "worker_threads": worker_threads(),
+    }
+
+
+def worker_threads() -> int:
+    from fanout.conf import conf
+
+    return int(conf.WORKER_THREADS)
+
+
+def library_defaults() -> dict[str, Any]:
+    """What the per-item runs inherit: they set neither batch_size nor the threads."""
+    from django.conf import settings
+
+    from fanout.conf import conf
+
+    return {
+        "fanout_batch_size": conf.BATCH_SIZE,
+        "fanout_worker_threads": conf.WORKER_THREADS,
+        "fanout_drain_seconds": conf.DRAIN_SECONDS,
+        "rq_worker_class": getattr(settings, "RQ", {}).get("WORKER_CLASS", "rq.Worker"),
+    }
+
+
+# ------------------------------------------------------------------ 2. batched throughput
+
+
 def phase_throughput(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
-    """No-op and 1 ms definitions through RQ (1 and 2 workers) and inline (1 and 2 threads);
-    per-item-commit mode through RQ (its target compares it with the bare loop)."""
+    """No-op and 1 ms definitions in batches through RQ (1 and 2 workers) and inline (1 and 2
+    threads)."""
     cases = [
         ("noop", "bench.noop", cfg.items),
         ("sleep1ms", "bench.sleep1ms", cfg.sleep_items),
-        ("per_item_commit", "bench.noop_each", cfg.each_items),
     ]
-    inline_cases = cases[:2]
     out: dict[str, Any] = {}
 
     def measure(label: str, name: str, n: int, executor: str, workers: int, pool: Any) -> None:
         key = f"{label}/{executor}{workers}"
+        threads = workers if executor == "inline" else None
         samples = []
         for r in range(cfg.repeats):
-            res = retry_db(key, lambda: one_run(name, n, executor, workers, pool))
+            res = retry_db(key, lambda: one_run(name, n, executor, threads, pool))
             samples.append(res)
-            log(
-                f"  {key} #{r + 1}: {n} items in {res['seconds']:.2f} s = "
-                f"{res['items_per_s']:,.0f}/s (materialize {res['materialize_s']:.2f} s)"
-            )
-        out[key] = {
-            "definition": name,
-            "items": n,
-            "executor": executor,
-            "workers": workers,
-            "batch_size": 1 if label == "per_item_commit" else cfg.batch,
-            "items_per_s": stats([s["items_per_s"] for s in samples]),
-            "seconds": stats([s["seconds"] for s in samples]),
-            "materialize_s": stats([s["materialize_s"] for s in samples]),
-            "drain_and_join_s": stats([s["drain_and_join_s"] for s in samples]),
-        }
+            logged(key, n, res, r)
+        out[key] = run_entry(name, n, executor, workers, samples)
 
     for count in (1, 2):
         log(f"throughput: RQ with {count} rqworker process(es)")
         with Workers(count, logdir) as pool:
+            warm_up(pool)
             for label, name, n in cases:
                 measure(label, name, n, "rq", count, pool)
+    # Inline, half the no-op items: these runs are no target, and the full run must stay short.
+    inline_cases = [("noop", "bench.noop", max(100, cfg.items // 2)), cases[1]]
     for threads in cfg.inline_workers:
         log(f"throughput: inline executor, {threads} thread(s)")
         for label, name, n in inline_cases:
@@ -487,21 +796,24 @@ def phase_throughput(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------- 2. bare claim loop
+# ------------------------------------------------- 2. bare claim loops (printed with the above)
 
 BARE_DDL = """
-CREATE TABLE IF NOT EXISTS bench_bare (
+DROP TABLE IF EXISTS bench_bare;
+CREATE TABLE bench_bare (
     id bigserial PRIMARY KEY,
     run_id integer NOT NULL,
     key varchar(255) NOT NULL,
     index integer NOT NULL,
     payload jsonb,
     status varchar(16) NOT NULL DEFAULT 'pending',
+    owner varchar(255) NOT NULL DEFAULT '',
+    claimed_at timestamptz,
+    lease_expires_at timestamptz,
     finished_at timestamptz,
     UNIQUE (run_id, key)
 );
-CREATE INDEX IF NOT EXISTS bench_bare_pending ON bench_bare (run_id, index)
-    WHERE status = 'pending';
+CREATE INDEX bench_bare_pending ON bench_bare (run_id, index) WHERE status = 'pending';
 """
 
 
@@ -510,7 +822,6 @@ def bare_fill(n: int) -> None:
 
     with psycopg.connect(conninfo(), autocommit=True) as conn:
         conn.execute(BARE_DDL)
-        conn.execute("TRUNCATE bench_bare")
         conn.execute(
             "INSERT INTO bench_bare (run_id, key, index, payload) "
             "SELECT 1, g::text, g, jsonb_build_object('n', g) FROM generate_series(0, %s) g",
@@ -519,78 +830,115 @@ def bare_fill(n: int) -> None:
         conn.execute("VACUUM ANALYZE bench_bare")
 
 
-def bare_loop(batch: int) -> int:
-    """Claim ``batch`` pending rows with SKIP LOCKED and mark them done, one transaction each."""
+CLAIM_SQL = (
+    "SELECT id, payload FROM bench_bare WHERE run_id = 1 AND status = 'pending' "
+    "ORDER BY index LIMIT %s FOR UPDATE SKIP LOCKED"
+)
+
+
+def bare_loop(batch: int, two_tx: bool = False, backend_cpu: list[float] | None = None) -> int:
+    """Claim ``batch`` pending rows with SKIP LOCKED and mark them done, one transaction each;
+    with ``two_tx``, mark them running (owner, lease) in the claim's transaction and done in a
+    second one, as claim durably, run, record needs. The connection's backend adds the CPU
+    it used to ``backend_cpu`` before it closes."""
     import psycopg
 
+    owner = f"bare-{threading.get_ident()}"
     done = 0
     with psycopg.connect(conninfo(), autocommit=True) as conn:
         while True:
             with conn.transaction():
-                rows = conn.execute(
-                    "SELECT id, payload FROM bench_bare WHERE run_id = 1 AND status = 'pending' "
-                    "ORDER BY index LIMIT %s FOR UPDATE SKIP LOCKED",
-                    (batch,),
-                ).fetchall()
+                rows = conn.execute(CLAIM_SQL, (batch,)).fetchall()
                 if not rows:
+                    if backend_cpu is not None:
+                        backend_cpu.append(process_cpu(conn.info.backend_pid))
                     return done
-                conn.execute(
-                    "UPDATE bench_bare SET status = 'succeeded', finished_at = now() "
-                    "WHERE id = ANY(%s)",
-                    ([r[0] for r in rows],),
-                )
+                ids = [r[0] for r in rows]
+                if two_tx:
+                    conn.execute(
+                        "UPDATE bench_bare SET status = 'running', owner = %s, claimed_at = now(), "
+                        "lease_expires_at = now() + interval '30 seconds' WHERE id = ANY(%s)",
+                        (owner, ids),
+                    )
+                else:
+                    conn.execute(
+                        "UPDATE bench_bare SET status = 'succeeded', finished_at = now() "
+                        "WHERE id = ANY(%s)",
+                        (ids,),
+                    )
+            if two_tx:
+                with conn.transaction():
+                    conn.execute(
+                        "UPDATE bench_bare SET status = 'succeeded', finished_at = now() "
+                        "WHERE id = ANY(%s) AND owner = %s",
+                        (ids, owner),
+                    )
             done += len(rows)
 
 
-def bare_once(n: int, batch: int, conns: int) -> float:
-    """Fill the bare table with ``n`` rows, drain it with ``conns`` loops; return the seconds."""
+def bare_once(n: int, batch: int, conns: int, two_tx: bool = False) -> dict[str, float]:
+    """Fill the bare table with ``n`` rows, drain it with ``conns`` loops; return the seconds
+    and where the CPU went."""
     bare_fill(n)
     counts: list[int] = []
     errors: list[BaseException] = []
+    backend_cpu: list[float] = []
 
     def loop() -> None:
         try:
-            counts.append(bare_loop(batch))
+            counts.append(bare_loop(batch, two_tx, backend_cpu))
         except BaseException as exc:  # re-raised in the caller, where retry_db sees it
             errors.append(exc)
 
     threads = [threading.Thread(target=loop) for _ in range(conns)]
+    usage = Usage([os.getpid()])
     t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.monotonic() - t0
+    # Exact: each loop read its backend's CPU before closing (a backend lives for one loop).
+    cpu = usage.per_item(n, postgres=sum(backend_cpu))
     if errors:
         raise errors[0]
     if sum(counts) != n:
         raise RuntimeError(f"bare loop: {sum(counts)} rows done, want {n}")
-    return elapsed
+    return {"seconds": elapsed, "items_per_s": n / elapsed, **cpu}
+
+
+def drop_bare() -> None:
+    import psycopg
+
+    with psycopg.connect(conninfo(), autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS bench_bare")
 
 
 def phase_baseline(cfg: argparse.Namespace) -> dict[str, Any]:
+    """The one-transaction bare loops (the 2-transaction loop is measured beside the per-item
+    runs it is compared with)."""
     out: dict[str, Any] = {}
     cases = [
-        ("bare_1_per_tx", 1, 1, cfg.items),
-        ("bare_1_per_tx_2conn", 1, 2, cfg.items),
+        ("bare_1_per_tx", 1, 1, cfg.bare_items),
+        ("bare_1_per_tx_2conn", 1, 2, cfg.bare_items),
         ("bare_100_per_tx", 100, 1, cfg.items),
     ]
     for label, batch, conns, n in cases:
         samples = []
         for r in range(cfg.repeats):
-            elapsed = retry_db(label, partial(bare_once, n, batch, conns))
-            samples.append(n / elapsed)
-            log(f"  {label} #{r + 1}: {n} rows in {elapsed:.2f} s = {n / elapsed:,.0f}/s")
+            samples.append(retry_db(label, partial(bare_once, n, batch, conns)))
+            log(
+                f"  {label} #{r + 1}: {n} rows in {samples[-1]['seconds']:.2f} s = "
+                f"{samples[-1]['items_per_s']:,.0f}/s"
+            )
         out[label] = {
             "items": n,
             "batch": batch,
             "connections": conns,
-            "items_per_s": stats(samples),
+            "transactions_per_item": 1 / batch,
+            **{k: stats([s[k] for s in samples]) for k in ("items_per_s", "seconds", *CPU_FIELDS)},
         }
-    import psycopg
-
-    with psycopg.connect(conninfo(), autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS bench_bare")
+    drop_bare()
     return out
 
 
@@ -715,20 +1063,61 @@ def add_terminal_rows(total: int) -> None:
             for _ in range(runs_needed)
         ]
     )
+    sql, constants = filler_insert()
     with connection.cursor() as cur:
         for i in range(0, len(runs), 10):
-            cur.execute(
-                """
-                INSERT INTO fanout_itemclaim (run_id, key, index, payload, pool, status, owner,
-                    claimed_at, attempt, crashes, next_attempt_at, result, error, error_class,
-                    started_at, finished_at)
-                SELECT r, g::text, g, jsonb_build_object('n', g), '', 'succeeded', 'bench',
-                    now(), 1, 0, now(), 'null'::jsonb, '', '', now(), now()
-                FROM unnest(%s::bigint[]) r, generate_series(0, %s) g
-                """,
-                ([run.pk for run in runs[i : i + 10]], FILLER_PER_RUN - 1),
-            )
+            ids = [run.pk for run in runs[i : i + 10]]
+            cur.execute(sql, [*constants, ids, FILLER_PER_RUN - 1])
     analyze()
+
+
+def filler_insert() -> tuple[str, list[Any]]:
+    """``INSERT … SELECT`` of succeeded items, 10,000 per run of ``unnest(%s)``: every column of
+    the model, so that a column fanout adds gets its default (as ``save()`` would give it)."""
+    from django.db import connection
+    from django.db.models.expressions import DatabaseDefault
+    from django.utils import timezone
+
+    from fanout.models import ItemClaim
+
+    now = timezone.now()
+    template = ItemClaim(
+        run_id=0,
+        pool="",
+        status="succeeded",
+        owner="bench",
+        claimed_at=now,
+        attempt=1,
+        crashes=0,
+        next_attempt_at=now,
+        error="",
+        error_class="",
+        started_at=now,
+        finished_at=now,
+    )
+    varying = {
+        "run": "r",
+        "key": "g::text",
+        "index": "g",
+        "payload": "jsonb_build_object('n', g)",
+        "result": "'null'::jsonb",
+    }
+    columns, values, constants = [], [], []
+    for field in ItemClaim._meta.concrete_fields:
+        value = getattr(template, field.attname)
+        if field.primary_key or isinstance(value, DatabaseDefault):
+            continue
+        columns.append(connection.ops.quote_name(field.column))
+        if field.name in varying:
+            values.append(varying[field.name])
+        else:
+            values.append("%s")
+            constants.append(field.get_db_prep_save(value, connection))
+    sql = (
+        f"INSERT INTO {ItemClaim._meta.db_table} ({', '.join(columns)}) "
+        f"SELECT {', '.join(values)} FROM unnest(%s::bigint[]) r, generate_series(0, %s) g"
+    )
+    return sql, constants
 
 
 def measure_claims(samples: int, warmup: int) -> list[float]:
@@ -831,69 +1220,94 @@ def rate_excess(times: list[float], rate: float, burst: int) -> tuple[float, int
     return worst, window
 
 
-def pool_run(name: str, n: int, cfg: argparse.Namespace) -> tuple[Any, float]:
+def pool_run(
+    name: str, n: int, executor: str, threads: int | None, pool: Workers | None
+) -> tuple[Any, float]:
+    """Run ``n`` items of a pool-limited definition; return the run and start → join seconds."""
     from fanout.definition import get_definition
 
     reset_tables()  # also the pools: every repeat starts with a fresh pool row and full bucket
-    t0 = time.monotonic()
+    if pool is not None:
+        pool.wait_idle()
+    t0 = db_time()
     run = get_definition(name).start(
-        {"n": n}, run_key(name), executor="inline", workers=cfg.pool_threads
+        {"n": n}, run_key(name), executor=executor, workers=threads, wait=executor == "inline"
     )
-    return run, time.monotonic() - t0
+    if executor == "rq":
+        run = wait_run(run.pk, timeout=120 + n, workers=pool)
+    if run.status != "succeeded" or run.join_result != n:
+        raise RuntimeError(f"{name} via {executor} ended {run.status}: {run.error[:300]}")
+    return run, (run.finished_at - t0).total_seconds()
 
 
-def phase_pools(cfg: argparse.Namespace) -> dict[str, Any]:
+def pool_concurrency(
+    cfg: argparse.Namespace, executor: str, threads: int | None, pool: Workers | None
+) -> dict[str, Any]:
+    """Concurrency 4, 50 ms handler: the limit is 4 / 0.05 = 80 items/s, and never above 4."""
     from django.conf import settings
 
     from bench.fanouts import POOL_SLEEP
     from fanout.models import ItemClaim
-    from fanout.pools import parse_rate
 
-    out: dict[str, Any] = {}
     conc = settings.FANOUT_POOLS["bench-conc4"]["max_concurrency"]
-    rate_cfg = settings.FANOUT_POOLS["bench-rate50"]
-    rate_count, rate_period = parse_rate(rate_cfg["rate"])
-    rate = rate_count / rate_period
-    burst = rate_cfg.get("burst") or rate_count
-
-    # Concurrency 4, 50 ms handler: the limit is 4 / 0.05 = 80 items/s.
     limit = conc / POOL_SLEEP
-    fractions, speeds, peaks = [], [], []
+    n = cfg.pool_conc_items
+    fractions, speeds, peaks, steady = [], [], [], []
     for r in range(cfg.repeats):
-        n = cfg.pool_conc_items
-        run, elapsed = retry_db("pool concurrency", partial(pool_run, "bench.pool_conc4", n, cfg))
-        if run.status != "succeeded" or run.join_result != n:
-            raise RuntimeError(f"pool_conc4 run ended {run.status}: {run.error[:300]}")
+        run, elapsed = retry_db(
+            "pool concurrency",
+            partial(pool_run, "bench.pool_conc4", n, executor, threads, pool),
+        )
         rows = list(
             ItemClaim.objects.filter(run=run).values_list("claimed_at", "finished_at", "result")
         )
         lease_side = max_overlap([(c.timestamp(), f.timestamp()) for c, f, _ in rows])
-        handlers = max_overlap([(res[0], res[1]) for _, _, res in rows])
+        spans = [(res[0], res[1]) for _, _, res in rows]
+        handlers = max_overlap(spans)
+        # Items/s from the first handler's start to the last one's end: start-up and join left out.
+        span = max(e for _, e in spans) - min(s for s, _ in spans)
         speeds.append(n / elapsed)
         fractions.append(n / elapsed / limit)
+        steady.append(n / span / limit)
         peaks.append(max(lease_side, handlers))
         log(
-            f"  pool concurrency {conc} #{r + 1}: {n / elapsed:.1f} items/s = "
-            f"{n / elapsed / limit:.1%} of {limit:.0f}/s; at most {handlers} handlers and "
-            f"{lease_side} claims at once"
+            f"  pool concurrency {conc}, {executor} #{r + 1}: {n / elapsed:.1f} items/s = "
+            f"{n / elapsed / limit:.1%} of {limit:.0f}/s ({n / span / limit:.1%} from the first "
+            f"handler to the last); at most {handlers} handlers and {lease_side} claims at once"
         )
-    out["concurrency4_50ms"] = {
-        "items": cfg.pool_conc_items,
-        "threads": cfg.pool_threads,
+    return {
+        "items": n,
+        "executor": executor,
+        "workers": threads if executor == "inline" else 2,
         "limit": f"{conc} at once x {POOL_SLEEP * 1000:.0f} ms = {limit:.0f} items/s",
         "limit_items_per_s": limit,
+        "max_concurrency": conc,
         "items_per_s": stats(speeds),
         "fraction_of_limit": stats(fractions),
+        "fraction_of_limit_handlers_span": stats(steady),
         "max_in_flight": max(peaks),
         "exceeded": max(peaks) > conc,
     }
 
+
+def pool_rate(cfg: argparse.Namespace) -> dict[str, Any]:
+    """Rate 50/s, burst 5, no-op handler, inline: never more than the token bucket allows."""
+    from django.conf import settings
+
+    from fanout.models import ItemClaim
+    from fanout.pools import parse_rate
+
+    rate_cfg = settings.FANOUT_POOLS["bench-rate50"]
+    rate_count, rate_period = parse_rate(rate_cfg["rate"])
+    rate = rate_count / rate_period
+    burst = rate_cfg.get("burst") or rate_count
+    n = cfg.pool_rate_items
     fractions, speeds, windows, excesses = [], [], [], []
     for r in range(cfg.repeats):
-        n = cfg.pool_rate_items
-        run, elapsed = retry_db("pool rate", partial(pool_run, "bench.pool_rate50", n, cfg))
-        if run.status != "succeeded" or run.join_result != n:
-            raise RuntimeError(f"pool_rate50 run ended {run.status}: {run.error[:300]}")
+        run, elapsed = retry_db(
+            "pool rate",
+            partial(pool_run, "bench.pool_rate50", n, "inline", cfg.pool_threads, None),
+        )
         admitted = [
             c.timestamp()
             for c in ItemClaim.objects.filter(run=run).values_list("claimed_at", flat=True)
@@ -909,9 +1323,10 @@ def phase_pools(cfg: argparse.Namespace) -> dict[str, Any]:
             f"  pool rate {rate:g}/s #{r + 1}: {n} items in {elapsed:.2f} s (ideal {ideal:.2f} s)"
             f" = {ideal / elapsed:.1%} of the limit; max {window} admissions in any 1 s"
         )
-    out["rate50"] = {
-        "items": cfg.pool_rate_items,
-        "threads": cfg.pool_threads,
+    return {
+        "items": n,
+        "executor": "inline",
+        "workers": cfg.pool_threads,
         "limit": f"{rate:g}/s, burst {burst}",
         "limit_items_per_s": rate,
         "burst": burst,
@@ -922,6 +1337,19 @@ def phase_pools(cfg: argparse.Namespace) -> dict[str, Any]:
         # A token bucket admits at most burst + rate * T in any interval T (1e-6: clock rounding)
         "exceeded": max(excesses) > 1e-6,
     }
+
+
+def phase_pools(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """The concurrency pool through RQ (2 workers, default threads) and inline (8 threads);
+    the rate pool inline."""
+    out: dict[str, Any] = {}
+    with Workers(2, logdir) as pool:
+        warm_up(pool)
+        out["concurrency4_50ms/rq2"] = pool_concurrency(cfg, "rq", None, pool)
+    out[f"concurrency4_50ms/inline{cfg.pool_threads}"] = pool_concurrency(
+        cfg, "inline", cfg.pool_threads, None
+    )
+    out["rate50/inline"] = pool_rate(cfg)
     reset_tables()
     return out
 
@@ -939,89 +1367,257 @@ def fmt_span(s: dict, f: Callable[[float], str] = fmt_rate) -> str:
     return f"{f(s['min'])}–{f(s['max'])}"
 
 
+def median(entry: dict[str, Any] | None, field: str = "items_per_s") -> float | None:
+    return ((entry or {}).get(field) or {}).get("median")
+
+
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target as a row, measured or not (a phase that failed or was skipped: n/a)."""
     t: list[dict[str, Any]] = []
 
-    def add(name: str, value: Any, goal: str, met: bool | None) -> None:
-        t.append({"target": name, "value": value, "goal": goal, "met": met})
+    def add(
+        name: str, value: Any, goal: str, test: Callable[[Any], bool], unit: str, source: str
+    ) -> None:
+        met = None if value is None else bool(test(value))
+        t.append(
+            {
+                "target": name,
+                "value": value,
+                "goal": goal,
+                "met": met,
+                "unit": unit,
+                "source": source,
+            }
+        )
 
-    tp, base = res.get("throughput", {}), res.get("baseline", {})
-    rq2 = tp.get("noop/rq2", {}).get("items_per_s", {}).get("median")
-    add("RQ, 2 workers, no-op items/s", rq2, ">= 5,000", None if rq2 is None else rq2 >= 5000)
-    bare1 = base.get("bare_1_per_tx", {}).get("items_per_s", {}).get("median")
-    each = tp.get("per_item_commit/rq2", {}).get("items_per_s", {}).get("median")
-    ratio = each / bare1 if each and bare1 else None
+    def info(name: str, value: Any, unit: str = "ratio") -> None:
+        if value is not None:
+            t.append(
+                {
+                    "target": name,
+                    "value": value,
+                    "goal": "info",
+                    "met": None,
+                    "unit": unit,
+                    "source": "",
+                }
+            )
+
+    pi, tp, base = res.get("per_item", {}), res.get("throughput", {}), res.get("baseline", {})
+    pools = res.get("pools", {})
     add(
-        "per-item commit (RQ, 2 workers) / bare loop 1 per tx",
-        ratio,
+        "per-item commit, RQ 2 workers / bare 2-tx loop, 2 connections",
+        median(pi, "ratio_rq2_to_bare_2tx_2conn"),
         ">= 0.80",
-        None if ratio is None else ratio >= 0.8,
+        lambda v: v >= 0.8,
+        "ratio",
+        "issue 10",
     )
-    # For reading the above: the same with one worker against one connection, and two against two.
-    each1 = tp.get("per_item_commit/rq1", {}).get("items_per_s", {}).get("median")
-    bare2 = base.get("bare_1_per_tx_2conn", {}).get("items_per_s", {}).get("median")
-    if each1 and bare1:
-        add(
-            "  (info) per-item commit, RQ 1 worker / bare 1 per tx, 1 connection",
-            each1 / bare1,
-            "info",
-            None,
+    add(
+        "per-item commit, RQ 2 workers / RQ 1 worker",
+        median(pi, "ratio_rq2_to_rq1"),
+        ">= 1.50",
+        lambda v: v >= 1.5,
+        "ratio",
+        "issue 10",
+    )
+    each2 = median(pi.get("per_item_commit/rq2"))
+    bare1, bare2 = median(base.get("bare_1_per_tx")), median(base.get("bare_1_per_tx_2conn"))
+    info("  (info) per-item commit, RQ 2 workers, items/s", each2, "items/s")
+    info(
+        "  (info) bare 2-tx loop, 2 connections, items/s",
+        median(pi.get("bare_2tx_2conn")),
+        "items/s",
+    )
+    if each2 and bare2:
+        info(
+            "  (info) per-item commit, RQ 2 workers / bare 1-tx loop, 2 connections", each2 / bare2
         )
-    if each and bare2:
+    if each2 and bare1:
+        info("  (info) per-item commit, RQ 2 workers / bare 1-tx loop, 1 connection", each2 / bare1)
+    slow = pi.get("sleep20ms/rq2", {})
+    add(
+        "20 ms items, max_parallel 16, RQ 2 workers: share of 800 items/s",
+        median(slow, "fraction_of_limit"),
+        ">= 80%",
+        lambda v: v >= 0.8,
+        "fraction",
+        "issue 10",
+    )
+    add(
+        "20 ms items, max_parallel 16, RQ 2 workers: at most 16 at once",
+        None if not slow else not slow["exceeded"],
+        "never above",
+        bool,
+        "bool",
+        "issue 10",
+    )
+    threads = res["config"]["pool_threads"]
+    for key in ("concurrency4_50ms/rq2", f"concurrency4_50ms/inline{threads}"):
+        p = pools.get(key, {})
+        who = "RQ 2 workers" if key.endswith("rq2") else f"inline {threads} threads"
         add(
-            "  (info) per-item commit, RQ 2 workers / bare 1 per tx, 2 connections",
-            each / bare2,
-            "info",
-            None,
+            f"pool of 4, 50 ms items, {who}: share of 80 items/s",
+            median(p, "fraction_of_limit"),
+            ">= 95%",
+            lambda v: v >= 0.95,
+            "fraction",
+            "issue 10",
         )
-    mat = res.get("materialize", {})
-    big = mat.get(str(max((int(k) for k in mat), default=0)), {})
-    for size, m in mat.items():
-        v = m["items_per_s"]["median"]
-        add(f"materialization {int(size):,} items, items/s", v, ">= 50,000", v >= 50000)
-    if big:
-        rss = big["peak_rss_mb"]["max"]
-        add(f"materialization {big['items']:,} items, peak RSS MB (max)", rss, "< 200", rss < 200)
+        add(
+            f"pool of 4, 50 ms items, {who}: at most 4 at once",
+            None if not p else not p["exceeded"],
+            "never above",
+            bool,
+            "bool",
+            "issue 10",
+        )
+    add(
+        "no-op in batches of 200, RQ 2 workers, items/s",
+        median(tp.get("noop/rq2")),
+        ">= 10,000",
+        lambda v: v >= 10_000,
+        "items/s",
+        "issue 10",
+    )
     cl = {k: v for k, v in res.get("claims", {}).items() if k.isdigit()}
     if cl:
         lo, hi = cl[str(min(int(k) for k in cl))], cl[str(max(int(k) for k in cl))]
-        # The median over repeats of each repeat's own ratio (levels measured side by side).
-        r = res["claims"]["p99_ratio_largest_to_smallest"]["median"]
-        add(
-            f"claim p99 at {hi['terminal_rows']:,} / at {lo['terminal_rows']:,} terminal rows",
-            r,
-            "<= 2.0",
-            r <= 2.0,
+        claim_name = (
+            f"claim p99 at {hi['terminal_rows']:,} / at {lo['terminal_rows']:,} terminal rows"
         )
-    for key, p in res.get("pools", {}).items():
-        f = p["fraction_of_limit"]["median"]
-        add(f"pool {key}: fraction of the limit (median)", f, ">= 0.90", f >= 0.9)
+    else:
+        claim_name = "claim p99 at 1,000,000 / at 10,000 terminal rows"
+    # The median over repeats of each repeat's own ratio (levels measured side by side).
+    add(
+        claim_name,
+        median(res.get("claims"), "p99_ratio_largest_to_smallest"),
+        "<= 2.0",
+        lambda v: v <= 2.0,
+        "ratio",
+        "issue 10",
+    )
+    mat = res.get("materialize", {})
+    for size, m in mat.items():
         add(
-            f"pool {key}: never above the limit",
-            not p["exceeded"],
-            "never above",
-            not p["exceeded"],
+            f"materialization {int(size):,} items, items/s",
+            median(m),
+            ">= 50,000",
+            lambda v: v >= 50_000,
+            "items/s",
+            "issue 7",
         )
+    if mat:
+        big = mat[str(max(int(k) for k in mat))]
+        add(
+            f"materialization {big['items']:,} items, peak RSS MB (max)",
+            big["peak_rss_mb"]["max"],
+            "< 200",
+            lambda v: v < 200,
+            "MB",
+            "issue 7",
+        )
+    rate = pools.get("rate50/inline", {})
+    add(
+        "pool rated 50/s (burst 5), inline 8 threads: share of the rate",
+        median(rate, "fraction_of_limit"),
+        ">= 90%",
+        lambda v: v >= 0.9,
+        "fraction",
+        "issue 7",
+    )
+    add(
+        "pool rated 50/s (burst 5): never above the bucket's bound",
+        None if not rate else not rate["exceeded"],
+        "never above",
+        bool,
+        "bool",
+        "issue 7",
+    )
     return t
 
 
-def print_report(res: dict[str, Any]) -> None:
-    base = res.get("baseline", {})
-    bare1 = base.get("bare_1_per_tx", {}).get("items_per_s", {}).get("median")
-    bare100 = base.get("bare_100_per_tx", {}).get("items_per_s", {}).get("median")
+def fmt_value(v: Any, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "bool":
+        return "yes" if v else "NO"
+    if unit == "fraction":
+        return f"{v:.1%}"
+    if unit in ("items/s", "MB") and v >= 100:
+        return f"{v:,.0f}"
+    return f"{v:,.2f}"
+
+
+def cores(entry: dict[str, Any]) -> str:
+    """Cores the measured processes kept busy / cores the whole machine kept busy (medians)."""
+    ours, busy = median(entry, "our_cores"), median(entry, "busy_cores")
+    return "-" if ours is None or busy is None else f"{ours:.2f}/{busy:.2f}"
+
+
+def report_per_item(res: dict[str, Any]) -> list[str]:
+    pi = res.get("per_item", {})
+    if not pi:
+        return []
+    bare = median(pi.get("bare_2tx_2conn"))
+    lines = [
+        "1. Per-item commit (batch_size unset = 1), RQ workers with FANOUT_WORKER_THREADS="
+        f"{pi['worker_threads']} and default drain jobs, start → join; bare loop beside it",
+        f"{'':<44}{'items':>7}{'items/s':>9}{'min–max':>14}{'÷2-tx':>7}"
+        f"{'client CPU':>11}{'PG CPU':>8}{'cores':>11}",
+        f"{'':<44}{'':>7}{'':>9}{'':>14}{'':>7}{'ms/item':>11}{'ms/item':>8}{'ours/busy':>11}",
+    ]
+    rows = [
+        ("per-item commit, RQ 1 worker", pi["per_item_commit/rq1"]),
+        ("bare 2-tx loop, 2 connections", pi["bare_2tx_2conn"]),
+        ("per-item commit, RQ 2 workers", pi["per_item_commit/rq2"]),
+        ("20 ms, max_parallel 16, RQ 2 workers", pi["sleep20ms/rq2"]),
+    ]
+    for label, v in rows:
+        s = v["items_per_s"]
+        ratio = "-" if not bare or label.startswith("20 ms") else f"{s['median'] / bare:.2f}"
+        client, pg = (median(v, k) for k in CPU_FIELDS[:2])
+        shown = [f"{x:.2f}" if x is not None else "-" for x in (client, pg)]
+        lines.append(
+            f"{label:<44}{v['items']:>7,}{fmt_rate(s['median']):>9}{fmt_span(s):>14}{ratio:>7}"
+            f"{shown[0]:>11}{shown[1]:>8}{cores(v):>11}"
+        )
+    slow = pi["sleep20ms/rq2"]
+    f = slow["fraction_of_limit"]
+    lines.append(
+        f"20 ms items: {f['median']:.1%} of {slow['limit']} "
+        f"({fmt_span(f, lambda x: f'{x:.1%}')}); at most {slow['max_in_flight']} handlers at once"
+    )
+    two = lambda x: f"{x:.2f}"  # noqa: E731
+    a, b = pi["ratio_rq2_to_bare_2tx_2conn"], pi["ratio_rq2_to_rq1"]
+    lines.append(
+        f"per repeat: RQ 2 workers / bare 2-tx loop {a['median']:.2f} ({fmt_span(a, two)}); "
+        f"RQ 2 workers / RQ 1 worker {b['median']:.2f} ({fmt_span(b, two)})"
+    )
+    return lines
+
+
+def report_throughput(res: dict[str, Any]) -> list[str]:
+    base = dict(res.get("baseline", {}))
+    if "bare_2tx_2conn" in res.get("per_item", {}):
+        base = {"bare_2tx_2conn": res["per_item"]["bare_2tx_2conn"], **base}
+    tp = res.get("throughput", {})
+    if not tp and not base:
+        return []
+    bare2tx = median(base.get("bare_2tx_2conn"))
+    bare100 = median(base.get("bare_100_per_tx"))
 
     def ratio(v: float | None, b: float | None) -> str:
         return "-" if not v or not b else f"{v / b:.2f}"
 
-    lines = []
-    w = f"{'':<44}{'items':>9}{'items/s':>10}{'min–max':>18}{'÷bare1':>8}{'÷bare100':>9}"
-    lines.append(
-        "1-2. End-to-end throughput, start → join (median of "
-        f"{res['config']['repeats']}), and the bare psycopg claim loop"
-    )
-    lines.append(w)
+    lines = [
+        f"2. Batched throughput, start → join (median of {res['config']['repeats']}), "
+        "and the bare psycopg claim loops",
+        f"{'':<44}{'items':>9}{'items/s':>10}{'min–max':>18}{'÷2-tx':>8}{'÷bare100':>9}"
+        f"{'cores ours/busy':>17}",
+    ]
     rows = []
-    for key, v in res.get("throughput", {}).items():
+    for key, v in tp.items():
         label = key.split("/")[0]
         plural = "s" if v["workers"] > 1 else ""
         who = (
@@ -1032,97 +1628,128 @@ def print_report(res: dict[str, Any]) -> None:
         rows.append((f"{label} (batch {v['batch_size']}), {who}", v))
     for v in base.values():
         conn = f", {v['connections']} conns" if v["connections"] > 1 else ""
-        rows.append((f"bare loop, {v['batch']}/tx{conn}", v))
+        kind = "2-tx loop" if v.get("transactions_per_item") == 2 else f"loop, {v['batch']}/tx"
+        rows.append((f"bare {kind}{conn}", v))
     for label, v in rows:
         s = v["items_per_s"]
         lines.append(
             f"{label:<44}{v['items']:>9,}{fmt_rate(s['median']):>10}"
-            f"{fmt_span(s):>18}{ratio(s['median'], bare1):>8}"
-            f"{ratio(s['median'], bare100):>9}"
+            f"{fmt_span(s):>18}{ratio(s['median'], bare2tx):>8}"
+            f"{ratio(s['median'], bare100):>9}{cores(v):>17}"
         )
+    return lines
+
+
+def report_materialize(res: dict[str, Any]) -> list[str]:
     mat = res.get("materialize", {})
-    if mat:
-        lines.append("")
-        lines.append("3. Materialization (separate process)")
+    if not mat:
+        return []
+    lines = [
+        "3. Materialization (separate process)",
+        f"{'items':>12}{'items/s':>10}{'min–max':>18}{'peak RSS MB':>13}"
+        f"{'min–max':>12}{'after setup':>13}",
+    ]
+    for v in mat.values():
+        s, m = v["items_per_s"], v["peak_rss_mb"]
         lines.append(
-            f"{'items':>12}{'items/s':>10}{'min–max':>18}{'peak RSS MB':>13}"
-            f"{'min–max':>12}{'after setup':>13}"
+            f"{v['items']:>12,}{fmt_rate(s['median']):>10}{fmt_span(s):>18}"
+            f"{m['median']:>13.0f}{fmt_span(m, lambda x: f'{x:.0f}'):>12}"
+            f"{v['rss_after_setup_mb']['median']:>13.0f}"
         )
-        for v in mat.values():
-            s, m = v["items_per_s"], v["peak_rss_mb"]
-            lines.append(
-                f"{v['items']:>12,}{fmt_rate(s['median']):>10}{fmt_span(s):>18}"
-                f"{m['median']:>13.0f}{fmt_span(m, lambda x: f'{x:.0f}'):>12}"
-                f"{v['rss_after_setup_mb']['median']:>13.0f}"
-            )
+    return lines
+
+
+def report_claims(res: dict[str, Any]) -> list[str]:
     cl = res.get("claims", {})
-    if cl:
-        lines.append("")
+    if not cl:
+        return []
+    lines = [
+        "4. One claim transaction (fanout.claim.claim, 1 item) vs terminal rows of other runs, ms",
+        f"{'terminal rows':>14}{'median':>9}{'min–max':>14}{'p99':>9}{'min–max':>14}",
+    ]
+    ms = lambda x: f"{x:.2f}"  # noqa: E731
+    for v in cl.values():
+        if "terminal_rows" not in v:
+            continue
         lines.append(
-            "4. One claim transaction (fanout.claim.claim, 1 item) vs terminal rows "
-            "of other runs, ms"
+            f"{v['terminal_rows']:>14,}{v['median_ms']['median']:>9.2f}"
+            f"{fmt_span(v['median_ms'], ms):>14}{v['p99_ms']['median']:>9.2f}"
+            f"{fmt_span(v['p99_ms'], ms):>14}"
         )
-        lines.append(f"{'terminal rows':>14}{'median':>9}{'min–max':>14}{'p99':>9}{'min–max':>14}")
-        ms = lambda x: f"{x:.2f}"  # noqa: E731
-        for v in cl.values():
-            if "terminal_rows" not in v:
-                continue
-            lines.append(
-                f"{v['terminal_rows']:>14,}{v['median_ms']['median']:>9.2f}"
-                f"{fmt_span(v['median_ms'], ms):>14}{v['p99_ms']['median']:>9.2f}"
-                f"{fmt_span(v['p99_ms'], ms):>14}"
-            )
-        ratio_stats = cl.get("p99_ratio_largest_to_smallest")
-        if ratio_stats and ratio_stats["median"] is not None:
-            lines.append(
-                f"p99 at the largest / at the smallest level, per repeat: "
-                f"{ratio_stats['median']:.2f} ({fmt_span(ratio_stats, ms)})"
-            )
+    ratio_stats = cl.get("p99_ratio_largest_to_smallest")
+    if ratio_stats and ratio_stats["median"] is not None:
+        lines.append(
+            f"p99 at the largest / at the smallest level, per repeat: "
+            f"{ratio_stats['median']:.2f} ({fmt_span(ratio_stats, ms)})"
+        )
+    return lines
+
+
+def report_pools(res: dict[str, Any]) -> list[str]:
     pools = res.get("pools", {})
-    if pools:
-        lines.append("")
-        lines.append("5. Pool-limited runs (inline executor)")
-        for key, v in pools.items():
-            s, f = v["items_per_s"], v["fraction_of_limit"]
+    if not pools:
+        return []
+    lines = ["5. Pool-limited runs, start → join"]
+    pct = lambda x: f"{x:.1%}"  # noqa: E731
+    for key, v in pools.items():
+        s, f = v["items_per_s"], v["fraction_of_limit"]
+        if "max_in_flight" in v:
             extra = (
-                f"max in flight {v['max_in_flight']}"
-                if "max_in_flight" in v
-                else f"max {v['max_admissions_in_1s']} admissions in any 1 s (the bucket allows "
+                f"{median(v, 'fraction_of_limit_handlers_span'):.1%} from the first handler to "
+                f"the last; max in flight {v['max_in_flight']}"
+            )
+        else:
+            extra = (
+                f"max {v['max_admissions_in_1s']} admissions in any 1 s (the bucket allows "
                 f"{v['burst'] + v['limit_items_per_s']:g})"
             )
-            lines.append(
-                f"{key:<20} limit {v['limit']}: {s['median']:.1f} items/s "
-                f"({fmt_span(s, lambda x: f'{x:.1f}')}), {f['median']:.1%} of the limit "
-                f"({fmt_span(f, lambda x: f'{x:.1%}')}); {extra}; "
-                f"{'EXCEEDED' if v['exceeded'] else 'never above'}"
-            )
-    lines.append("")
-    lines.append("Targets")
+        lines.append(
+            f"{key:<24} limit {v['limit']}: {s['median']:.1f} items/s "
+            f"({fmt_span(s, lambda x: f'{x:.1f}')}), {f['median']:.1%} of the limit "
+            f"({fmt_span(f, pct)}); {extra}; {'EXCEEDED' if v['exceeded'] else 'never above'}"
+        )
+    return lines
+
+
+def report_targets(res: dict[str, Any]) -> list[str]:
+    lines = ["Targets"]
     for t in res.get("targets", []):
-        v = t["value"]
-        shown = (
-            f"{v:,.2f}"
-            if isinstance(v, float) and v < 100
-            else f"{v:,.0f}"
-            if isinstance(v, float)
-            else str(v)
-        )
-        met = (
-            ("" if t["goal"] == "info" else "n/a")
-            if t["met"] is None
-            else ("met" if t["met"] else "NOT MET")
-        )
-        goal = "" if t["goal"] == "info" else f"  ({t['goal']}): {met}"
-        lines.append(f"  {t['target']:<66}{shown:>10}{goal}")
+        shown = fmt_value(t["value"], t["unit"])
+        if t["goal"] == "info":
+            lines.append(f"  {t['target']:<70}{shown:>10}")
+            continue
+        met = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
+        lines.append(f"  {t['target']:<70}{shown:>10}  ({t['goal']}): {met}  [{t['source']}]")
+    return lines
+
+
+def print_report(res: dict[str, Any]) -> None:
+    sections = [
+        report_per_item(res),
+        report_throughput(res),
+        report_materialize(res),
+        report_claims(res),
+        report_pools(res),
+        report_targets(res),
+    ]
+    lines: list[str] = []
+    for section in sections:
+        if section:
+            lines.extend([*section, ""])
     for e in res.get("errors", []):
-        lines.append(f"ERROR in {e['phase']}: {e['error']}")
+        text = e["error"].strip()
+        if len(text) > 800:  # the JSON has all of it
+            text = f"{text[:300]} [...] {text[-500:]}"
+        lines.append(f"ERROR in {e['phase']}: {text}")
+    for w in res.get("warnings", []):
+        lines.append(f"WARNING: {w}")
     lines.append(f"total {res['seconds']:.0f} s")
     print("\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------- main
 
-PHASES = ("throughput", "baseline", "materialize", "claims", "pools")
+PHASES = ("per_item", "throughput", "baseline", "materialize", "claims", "pools")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1131,7 +1758,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--items",
         type=int,
         default=None,
-        help="items of the no-op runs and the bare loop (default 20,000; quick 2,000)",
+        help="items of the batched no-op runs and the bare 100-per-transaction loop (default "
+        "20,000; quick 2,000); the per-item runs and the 2-transaction loop take a quarter, "
+        "the 20 ms run a fifth, the 1 ms runs an eighth, the 1-transaction loops a tenth",
     )
     p.add_argument("--repeats", type=int, default=None, help="repeats per figure (default 3)")
     p.add_argument(
@@ -1139,7 +1768,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="1 repeat, small sizes: a smoke test, not a measurement",
     )
-    p.add_argument("--json", default=str(HERE / "results" / "latest.json"), metavar="PATH")
+    p.add_argument(
+        "--json",
+        default=str(HERE / "results" / "latest.json"),
+        metavar="PATH",
+        help="where to write the results (default bench/results/latest.json)",
+    )
     p.add_argument(
         "--only",
         default=",".join(PHASES),
@@ -1162,9 +1796,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = cfg.quick
     cfg.repeats = cfg.repeats or (1 if quick else 3)
     cfg.items = cfg.items or (2_000 if quick else 20_000)
-    # The 1 ms and per-item-commit runs are slower per item: fewer items are enough.
-    cfg.sleep_items = max(100, cfg.items // 4)
-    cfg.each_items = max(100, cfg.items // 10)
+    # The 1 ms, per-item and 20 ms runs are slower per item: fewer items are enough.
+    cfg.sleep_items = max(100, cfg.items // 8)
+    cfg.each_items = max(100, cfg.items // 4)
+    cfg.slow_items = max(100, cfg.items // 5)
+    cfg.bare_items = max(100, cfg.items // 10)
     cfg.batch = int(os.environ["FANOUT_BENCH_BATCH"])
     cfg.inline_workers = [1, 2]
     sizes = lambda text: [int(x.replace("_", "")) for x in text.split(",") if x.strip()]  # noqa: E731
@@ -1180,7 +1816,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     cfg.claim_samples = 200 if quick else 500
     cfg.pool_threads = 8
-    cfg.pool_conc_items = 80 if quick else 400
+    cfg.pool_conc_items = 80 if quick else 480
     cfg.pool_rate_items = 100 if quick else 300
     cfg.phases = [x.strip() for x in cfg.only.split(",") if x.strip()]
     unknown = set(cfg.phases) - set(PHASES)
@@ -1203,9 +1839,7 @@ def main(argv: list[str] | None = None) -> int:
     settings.DATABASES  # noqa: B018  (load the settings to read the database)
     ensure_database()
     django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    migrate()
     reset_redis()
     reset_tables()
     logdir = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
@@ -1220,19 +1854,30 @@ def main(argv: list[str] | None = None) -> int:
         },
         "loadavg": {},
         "errors": [],
+        "warnings": [],
     }
+    res["config"].update(library_defaults())
     steps = {
+        "per_item": lambda: phase_per_item(cfg, logdir),
         "throughput": lambda: phase_throughput(cfg, logdir),
         "baseline": lambda: phase_baseline(cfg),
         "materialize": lambda: phase_materialize(cfg),
         "claims": lambda: phase_claims(cfg),
-        "pools": lambda: phase_pools(cfg),
+        "pools": lambda: phase_pools(cfg, logdir),
     }
+    digest = res["machine"]["fanout_code_digest"] = code_digest()
     try:
         for phase in PHASES:
             if phase not in cfg.phases:
                 continue
             log(f"phase: {phase} (load average {os.getloadavg()[0]:.2f})")
+            if code_digest() != digest:
+                digest = code_digest()
+                res["warnings"].append(
+                    f"fanout's code changed before phase {phase}: this process keeps the code it "
+                    "loaded, workers and subprocesses started from now on load the new code"
+                )
+                log(f"  warning: {res['warnings'][-1]}")
             load_before = os.getloadavg()
             try:
                 res[phase] = steps[phase]()
@@ -1255,6 +1900,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_for_database(timeout=30)
             reset_tables()
             reset_redis()
+            drop_bare()
         except Exception as exc:  # the report still gets written
             log(f"cleanup failed: {exc}")
     res["seconds"] = time.monotonic() - started

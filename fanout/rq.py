@@ -56,9 +56,15 @@ def slot_key(run_id: int, slot: int) -> str:
 
 
 def drain_threads(run: BatchRun, definition: FanOut) -> int:
-    """Items one drain job runs at once: FANOUT_WORKER_THREADS, no more than the run can use."""
-    per_thread = max(1, definition.batch_size)
-    return max(1, min(int(conf.WORKER_THREADS), -(-run.max_parallel // per_thread)))
+    """Items one drain job runs at once: FANOUT_WORKER_THREADS, no more than the run can use.
+
+    A batched definition (batch_size > 1) is one for cheap handlers, whose batches a thread
+    runs one after another: more threads would only take turns on the interpreter's lock, so
+    its drain jobs run one thread each and the run gets more drain jobs instead.
+    """
+    if definition.batch_size > 1:
+        return 1
+    return max(1, min(int(conf.WORKER_THREADS), run.max_parallel))
 
 
 def default_slots(run: BatchRun, definition: FanOut) -> int:
