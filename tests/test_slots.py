@@ -195,7 +195,9 @@ def test_limits_hold_exactly_across_four_processes_with_threads_and_follow_a_shr
     assert most_at_once(run.pk) == 5
     assert most_at_once(run.pk, after=shrunk_at + 1.0) <= 2
     pids = set(Execution.objects.filter(run_id=run.pk).values_list("worker", flat=True))
-    assert len(pids) >= 3, "the processes did not share the run"
+    # Slots stay with the threads that hold them (a finished item hands its slot over), so
+    # which processes run the items is first come, first served; reaching 5 at once takes two.
+    assert len(pids) >= 2, "the processes did not share the run"
     assert counts(run) == (0, 0)
     assert CapacityPool.objects.get(name=SLOTS_POOL).in_flight == 0
 
