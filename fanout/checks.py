@@ -157,3 +157,40 @@ def check_admin_needs(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             id="fanout.E004",
         )
     ]
+
+
+_STRICTER = ("repeatable read", "serializable", "repeatable_read", "repeatable-read")
+
+
+@register(Tags.database)
+def check_isolation(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
+    """Claims decide limits with conditional UPDATEs that re-read a row after waiting for its
+    lock: that needs READ COMMITTED (PostgreSQL's and Django's MySQL default)."""
+    from django.db import connections
+
+    problems: list[Any] = []
+    for alias in connections:
+        options = connections[alias].settings_dict.get("OPTIONS", {})
+        level = options.get("isolation_level")
+        if level is None:
+            continue
+        text = str(level).lower()
+        try:  # psycopg's IsolationLevel enum on PostgreSQL
+            from psycopg import IsolationLevel
+
+            if isinstance(level, IsolationLevel) or str(level).isdigit():
+                text = IsolationLevel(int(level)).name.lower().replace("_", " ")
+        except (ImportError, ValueError):
+            pass
+        if any(s in text for s in _STRICTER):
+            problems.append(
+                Error(
+                    f"DATABASES[{alias!r}] sets isolation_level {level!r}: fanout's claims need "
+                    "READ COMMITTED (under a stricter level, concurrent claims fail with "
+                    "serialization errors instead of waiting their turn)",
+                    hint=f"remove OPTIONS['isolation_level'] from DATABASES[{alias!r}], or set "
+                    "it to read committed",
+                    id="fanout.E005",
+                )
+            )
+    return problems

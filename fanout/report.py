@@ -294,4 +294,6 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         ],
         "join_result": run.join_result,
         "error": run.error,
+        # Why it waits or stalls, in the admin's words (a worker's own when it could not run it).
+        **({"why": progress.why} if progress.why else {}),
     }

@@ -468,71 +468,9 @@ def reopen(items: QuerySet[ItemClaim]) -> int:
 
 # --- the hot path: one finished item hands its slot to the next -------------------------
 
-_HAND_OVER = """
-WITH done AS (
-    UPDATE fanout_itemclaim SET
-        status = %(status)s,
-        result = CASE WHEN %(succeeded)s THEN %(result)s::jsonb ELSE NULL END,
-        error = %(error)s,
-        error_class = %(error_class)s,
-        finished_at = COALESCE(started_at, clock_timestamp()) + %(elapsed)s * interval '1 second',
-        claim_token = NULL,
-        lease_expires_at = NULL,
-        attempt = attempt + %(attempt_inc)s,
-        next_attempt_at = CASE WHEN %(status)s = 'pending'
-            THEN clock_timestamp() + %(retry_after)s * interval '1 second'
-            ELSE next_attempt_at END
-    WHERE id = %(pk)s AND claim_token = %(token)s AND status = 'running'
-    RETURNING run_id, pool
-),
-open_slot AS (
-    -- Read, not locked: a hand-over never adds to a counter, so a stale read cannot push a
-    -- limit over. A limit shrunk below the count, a pause or waiting runs refuse it.
-    SELECT 1 FROM done
-    JOIN fanout_batchrun r ON r.id = done.run_id
-    LEFT JOIN fanout_capacitypool p ON p.name = done.pool
-    WHERE r.status = 'running' AND r.in_flight <= r.max_parallel
-      AND (done.pool = '' OR (
-          NOT p.paused AND p.in_flight <= p.max_concurrency AND p.rate_count IS NULL
-          AND (p.backoff_until IS NULL OR p.backoff_until <= clock_timestamp())
-          AND p.waiters = '{}'::jsonb))
-),
-pick AS (
-    SELECT c.id FROM fanout_itemclaim c
-    WHERE c.run_id = %(run_id)s AND c.status = 'pending' AND c.pool = %(pool)s
-      AND c.next_attempt_at <= clock_timestamp() AND EXISTS (SELECT 1 FROM open_slot)
-    ORDER BY c.index
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-),
-took AS (
-    UPDATE fanout_itemclaim c SET
-        status = 'running',
-        owner = %(owner)s,
-        claim_token = %(new_token)s,
-        lease_expires_at = clock_timestamp() + %(lease)s * interval '1 second',
-        claimed_at = clock_timestamp(),
-        started_at = clock_timestamp(),
-        finished_at = NULL
-    FROM pick WHERE c.id = pick.id
-    RETURNING c.id, c.key, c.index, c.payload, c.pool, c.attempt, c.started_at
-),
-left_run AS (
-    UPDATE fanout_batchrun SET in_flight = GREATEST(in_flight - 1, 0)
-    WHERE id = (SELECT run_id FROM done) AND NOT EXISTS (SELECT 1 FROM took)
-    RETURNING 1
-),
-left_pool AS (
-    -- Reading left_run makes the run's row be locked before the pool's, as everywhere.
-    UPDATE fanout_capacitypool SET in_flight = GREATEST(in_flight - 1, 0)
-    WHERE name = (SELECT pool FROM done) AND name <> ''
-      AND NOT EXISTS (SELECT 1 FROM took) AND (SELECT count(*) FROM left_run) >= 0
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM left_pool),
-       t.id, t.key, t.index, t.payload, t.pool, t.attempt, t.started_at
-FROM (SELECT 1) AS one LEFT JOIN took AS t ON true
-"""
+# A PL/pgSQL function (migration 0003), so that PostgreSQL plans the statement once per
+# session: planning it cost more than running it.
+_HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
 
 
 @dataclass
@@ -561,28 +499,21 @@ def hand_over(
     neither the run's nor the pool's row unless it gives the slot up, so claimers of one run
     never wait for each other.
     """
-    status = {SUCCEEDED: "succeeded", FAILED: "failed", RETRY: "pending"}[outcome.kind]
-    succeeded = outcome.kind == SUCCEEDED
-    params = {
-        "status": status,
-        "succeeded": succeeded,
-        "result": json.dumps(outcome.result) if succeeded and outcome.result is not None else None,
-        "error": "" if succeeded else outcome.error,
-        "error_class": "" if succeeded else outcome.error_class,
-        "elapsed": outcome.elapsed,
-        "attempt_inc": 1 if outcome.kind == RETRY else 0,
-        "retry_after": outcome.retry_after,
-        "pk": outcome.pk,
-        "token": token,
-        "run_id": run_id,
-        "pool": outcome.pool,
-        "owner": owner[:200],
-        "new_token": new_token,
-        "lease": lease_seconds,
-    }
+    assert outcome.kind == SUCCEEDED, "only successes are handed over (see can_hand_over)"
+    params = [
+        outcome.pk,
+        token,
+        json.dumps(outcome.result) if outcome.result is not None else None,
+        outcome.elapsed,
+        run_id,
+        outcome.pool,
+        owner[:200],
+        new_token,
+        lease_seconds,
+    ]
     with connection.cursor() as cursor:
         cursor.execute(_HAND_OVER, params)
-        done, _, pk, key, index, payload, pool, attempt, started_at = cursor.fetchone()
+        done, pk, key, index, payload, pool, attempt, started_at = cursor.fetchone()
     item = None
     if pk is not None:
         item = ClaimedItem(pk, key, index, _loads(payload), pool, attempt, started_at)

@@ -88,3 +88,21 @@ def test_a_worker_class_that_cannot_be_imported_is_warned() -> None:
 )
 def test_a_subclass_of_the_fanout_worker_passes() -> None:
     assert ids(fanout_messages()) == []
+
+
+def test_a_stricter_isolation_level_than_read_committed_is_an_error() -> None:
+    from django.core.checks import run_checks
+    from django.db import connections
+
+    options = connections["default"].settings_dict.setdefault("OPTIONS", {})
+    saved = dict(options)
+    try:
+        options["isolation_level"] = "repeatable read"
+        errors = [e for e in run_checks(include_deployment_checks=False, databases=["default"])]
+        assert "fanout.E005" in {e.id for e in errors}
+        options["isolation_level"] = "read committed"
+        errors = run_checks(databases=["default"])
+        assert "fanout.E005" not in {e.id for e in errors}
+    finally:
+        options.clear()
+        options.update(saved)

@@ -22,7 +22,7 @@ from tests.conftest import executions, keys
 pytestmark = pytest.mark.django_db(transaction=True)
 
 REQUIRED_KEYS = {"run_id", "run_key", "status", "counts", "failed", "join_result"}
-ALLOWED_KEYS = REQUIRED_KEYS | {"definition", "error", "notes"}
+ALLOWED_KEYS = REQUIRED_KEYS | {"definition", "error", "notes", "why", "tree"}
 
 
 def run_command(*args: str) -> tuple[int, dict[str, Any]]:

@@ -77,7 +77,7 @@ def test_a_worker_in_its_steady_state_touches_neither_the_runs_row_nor_the_pools
 
     run_writes = [q for q in sql if q.startswith('UPDATE "fanout_batchrun" SET "in_flight"')]
     pool_writes = [q for q in sql if q.startswith('UPDATE "fanout_capacitypool" SET "in_flight"')]
-    hand_overs = [q for q in sql if "WITH done AS" in q]
+    hand_overs = [q for q in sql if "fanout_hand_over" in q]
     # One slot taken at the start, 29 hand-overs, the slot given up by the last one.
     assert len(hand_overs) == 30
     assert run_writes == [run_writes[0]], "the counters moved in the steady state"
