@@ -36,6 +36,9 @@ logger = logging.getLogger("fanout")
 
 MAX_SLOTS = 64
 ALIVE_TTL = 10  # seconds a running drain job's slot key lives without renewal
+# A drain thread with nothing claimable and nothing due this soon returns, freeing its worker
+# (a parent run whose items wait on child runs must not hold the workers the children need).
+IDLE_EXIT_SECONDS = 2.0
 QUEUED_TTL = 600  # seconds a slot stays taken by a job that waits in the queue
 
 # Set when the RQ worker running us was asked to stop (see FanoutWorker.request_stop).
@@ -243,6 +246,7 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
             owner=owner_name(f"rq-{slot}-{i + 1}"),
             stop=stop,
             deadline=deadline,
+            idle_exit=IDLE_EXIT_SECONDS,
         )
         for i in range(drain_threads(run, definition))
     ]

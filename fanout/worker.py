@@ -135,6 +135,10 @@ class Drain:
     owner: str = field(default_factory=owner_name)
     stop: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None  # time.monotonic() after which it claims no more
+    # Return after this long with nothing claimable and nothing due soon (an RQ drain: its
+    # worker is then free for other runs' jobs; the supervisor brings one back when work
+    # appears). None: wait until the run is finished (the inline executor's threads).
+    idle_exit: float | None = None
     executed: int = 0
 
     def __call__(self) -> str:
@@ -147,6 +151,7 @@ class Drain:
     def _loop(self) -> str:
         # Items run but not yet recorded: they are recorded by the next claim or hand-over.
         batch: Batch | None = None
+        self._idle_since: float | None = None
         while True:
             if self.stop.is_set() or (
                 self.deadline is not None and time.monotonic() >= self.deadline
@@ -168,6 +173,7 @@ class Drain:
                 continue  # the database went away and came back: the batch is re-recorded
             batch = None
             if result.items:
+                self._idle_since = None
                 assert result.token is not None
                 batch = Batch(result.token, result.items, result.failure_policy)
                 self.keeper.hold(batch.token, [i.pk for i in batch.items])
@@ -192,6 +198,8 @@ class Drain:
             if unfinished is False:
                 self._db(lambda: maybe_join(self.run_id, self.definition))
                 continue  # the next claim sees how it ended (or that it compensates)
+            if self._idle_too_long(result):
+                return "idle: nothing claimable"
             self._idle(result)
 
     def _execute(self, batch: Batch) -> None:
@@ -331,6 +339,17 @@ class Drain:
                 child = o.result["child_run"]
                 self._db(lambda child=child: settle_up(child))
         return recorded
+
+    def _idle_too_long(self, result: ClaimResult) -> bool:
+        if self.idle_exit is None:
+            return False
+        now = time.monotonic()
+        if result.retry_in is not None and result.retry_in <= self.idle_exit:
+            self._idle_since = None  # a retry or a lease comes due soon: stay for it
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        return now - self._idle_since >= self.idle_exit
 
     def _idle(self, result: ClaimResult) -> None:
         timeout = conf.IDLE_MAX_SECONDS
