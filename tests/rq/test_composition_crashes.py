@@ -40,13 +40,7 @@ def test_a_tree_of_runs_finishes_after_every_worker_is_killed_mid_way(processes:
     )
 
     processes.workers(2, **FAST)
-    try:
-        root = finished_run(root.pk, timeout=60)
-    except AssertionError:
-        exec(open("/tmp/dbgtree.py").read())
-        for c in processes.started:
-            print("=====", c.name, c.output()[-2500:])
-        raise
+    root = finished_run(root.pk, timeout=120)
 
     assert root.status == RunStatus.SUCCEEDED, root.error
     assert root.join_result == {"items": 2, "succeeded": 2}
