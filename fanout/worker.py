@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
 
-from .claim import ClaimResult, claim
+from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut
 from .join import maybe_join
@@ -87,6 +87,10 @@ def _gate_set(run_id: int, result: ClaimResult) -> None:
         if result.retry_in is not None:
             wait = min(wait, result.retry_in)
         _gate[run_id] = time.monotonic() + wait
+
+
+# Per run: when a hand-over of this process last asked for expired leases (time.monotonic()).
+_expired_asked: dict[int, float] = {}
 
 
 def announce(run_id: int, outcomes: list[ExecutionOutcome]) -> None:
@@ -218,6 +222,10 @@ class Drain:
     def _can_hand_over(self, batch: Batch) -> bool:
         if len(batch.outcomes) != 1 or not can_hand_over(batch.outcomes[0]):
             return False
+        if self._expired_waiting():
+            # A dead owner's items hold slots that hand-overs would never give them: take the
+            # claim path, which reclaims them first.
+            return False
         # Under fail_fast a failure (or a retry, which may have to become one) is recorded
         # by record(), which cancels what nobody holds.
         kind = batch.outcomes[0].kind
@@ -225,6 +233,22 @@ class Drain:
             return True
         policy = batch.failure_policy
         return policy != FailurePolicy.FAIL_FAST and not self.definition.has_thresholds
+
+    def _expired_waiting(self) -> bool:
+        """Whether the run has expired leases to reclaim; asked at most twice a second per
+        process and run."""
+        now = time.monotonic()
+        with _wake:
+            if now - _expired_asked.get(self.run_id, 0.0) < EXPIRED_CHECK_SECONDS:
+                return False
+            _expired_asked[self.run_id] = now
+        found = bool(
+            self._db(lambda: ItemClaim.objects.filter(run_id=self.run_id).expired().exists())
+        )
+        if found:
+            _expired_checked[self.run_id] = 0.0  # the claim looks for them at once
+            _expired_asked[self.run_id] = 0.0  # and so does the next hand-over
+        return found
 
     def _hand_over(self, batch: Batch) -> Batch | None:
         """Record the one outcome and take the next item in its slot: one statement."""
