@@ -13,21 +13,8 @@ have() {
 have && exit 0
 
 packages="pkg-config default-libmysqlclient-dev build-essential"
-if command -v apt-get >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then
-        sudo=""
-    elif sudo -n true 2>/dev/null; then
-        sudo="sudo -n"
-    else
-        sudo="unavailable"
-    fi
-    if [ "$sudo" != unavailable ]; then
-        echo "mysql-build-deps: installing $packages"
-        # shellcheck disable=SC2086
-        $sudo apt-get install -y -qq $packages >/dev/null ||
-            { $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq $packages >/dev/null; }
-        have && exit 0
-    fi
-fi
+echo "mysql-build-deps: installing $packages"
+# shellcheck disable=SC2086
+"$(dirname "$0")/apt-install.sh" $packages && have && exit 0
 echo "mysql-build-deps: building mysqlclient needs $packages (apt-get install $packages)" >&2
 exit 1

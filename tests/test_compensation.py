@@ -13,6 +13,7 @@ from fanout.compensate import retry_failed_compensations
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run, resume
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from tests.pools.ledger import max_in_flight
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,12 +58,7 @@ def test_parallel_compensation_keeps_to_its_own_budget() -> None:
     assert run.status == RunStatus.COMPENSATED, run.error
     rows = Execution.objects.filter(run_id=run.pk, key__startswith="undo:")
     assert rows.count() == 11
-    edges = sorted([(r.started, 1) for r in rows] + [(r.ended, -1) for r in rows])
-    peak = now = 0
-    for _, step in edges:
-        now += step
-        peak = max(peak, now)
-    assert peak == 2  # compensate_max_parallel
+    assert max_in_flight(list(rows)) == 2  # compensate_max_parallel
 
 
 def test_a_compensation_that_keeps_failing_stays_visible_and_can_be_retried() -> None:

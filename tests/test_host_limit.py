@@ -13,18 +13,10 @@ from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.models import RunStatus
 from tests import procs
+from tests.pools.ledger import max_in_flight
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def most_at_once(rows: list[Execution]) -> int:
-    edges = sorted([(r.started, 1) for r in rows] + [(r.ended, -1) for r in rows])
-    peak = now = 0
-    for _, step in edges:
-        now += step
-        peak = max(peak, now)
-    return peak
 
 
 def test_two_hosts_each_run_at_most_host_max_parallel_items_at_once(
@@ -53,7 +45,7 @@ def test_two_hosts_each_run_at_most_host_max_parallel_items_at_once(
     for row in Execution.objects.filter(run_id=run.pk):
         by_host[hosts[row.worker]].append(row)
     assert sum(len(rows) for rows in by_host.values()) == 60
-    assert {host: most_at_once(rows) for host, rows in by_host.items()} == {
+    assert {host: max_in_flight(rows) for host, rows in by_host.items()} == {
         "host-a": 2,
         "host-b": 2,
     }
