@@ -114,8 +114,10 @@ def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
             if definition.compensate_order == REVERSE:
                 # Strictly one after another: the latest finished first, retries included.
                 due = comp.filter(claim_token__isnull=True)
+            # One per claim: each worker thread runs one compensation at a time, so the budget
+            # is spread over threads instead of queued behind one.
             candidates = list(
-                due.order_by(*order).select_for_update(skip_locked=True).values(*fields)[:room]
+                due.order_by(*order).select_for_update(skip_locked=True).values(*fields)[:1]
             )
             if definition.compensate_order == REVERSE:
                 candidates = [c for c in candidates[:1] if _due(c["pk"])]
