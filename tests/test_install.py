@@ -209,6 +209,7 @@ def run(
 
 def new_project(bin_dir: Path, where: Path, database_url: str, redis_url: str) -> Path:
     """`django-admin startproject site`, the README's settings, and an app with a fan-out."""
+    where.mkdir(parents=True, exist_ok=True)  # Django before 6.0 wants it to exist
     run([bin_dir / "django-admin", "startproject", "mysite", where], where.parent)
     (where / "shop" / "migrations").mkdir(parents=True)
     for name, text in {

@@ -10,11 +10,12 @@ from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, QuerySet
-from django.http import Http404, HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponseRedirect, JsonResponse
 from django.template.loader import render_to_string
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
+from django.utils.http import url_has_allowed_host_and_scheme
 
 from .. import recover
 from ..definition import get_definition
@@ -149,6 +150,21 @@ class BatchRunAdmin(FanoutAdmin):
 
     class Media:
         js = ("fanout/run_progress.js",)
+
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet[BatchRun], **kwargs: Any
+    ) -> Any:
+        """Before Django 6.1 a run page's buttons post to the list's actions: come back."""
+        response = super().response_action(request, queryset, **kwargs)
+        back = request.POST.get("_return_to", "")
+        if (
+            response is not None
+            and response.status_code == 302
+            and back
+            and url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()})
+        ):
+            return HttpResponseRedirect(back)
+        return response
 
     @admin.display(description="parent item")
     def parent_link(self, run: BatchRun) -> str:

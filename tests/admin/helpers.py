@@ -152,8 +152,14 @@ def action(client: Client, url: str, name: str, *pks: int, across: bool = False)
 
 
 def page_action(client: Client, url: str, name: str, pk: int) -> Any:
-    """Press an action's button on an object's own page."""
-    return client.post(url, {"CHANGE_FORM-action": name, "_selected_action": str(pk)})
+    """Press an action's button on an object's own page, as its form posts it."""
+    page = client.get(url)
+    target = page.context.get("action_url", "")
+    field = page.context.get("action_field", "CHANGE_FORM-action")
+    data = {field: name, "_selected_action": str(pk)}
+    if target:  # before Django 6.1: the list's action endpoint, then back to the page
+        data.update(index="0", _return_to=url)
+    return client.post(target or url, data)
 
 
 def messages_of(response: Any) -> list[str]:
