@@ -50,10 +50,8 @@ def bad_handlers(h: Harness, result: Result) -> None:
             # os._exit runs again (a call that never ended).
             runs += died.get(k, 0)
         got = (item.status, item.error_class, calls.get(k, 0))
-        if behaviour in ("exit_once", "hang") and got[:2] == ("failed", "WorkerLost"):
-            # Its one allowed crash plus a neighbour's os._exit spent its crash budget.
-            if item.crashes > definition.crash_budget:
-                continue
+        if got[:2] == ("failed", "WorkerLost") and item.crashes > definition.crash_budget:
+            continue  # a neighbour's os._exit (and its own, for exit_once) spent its budget
         if got != (status, error_class, runs):
             wrong.append(f"{behaviour} ended {got}, expected {(status, error_class, runs)}")
     for text in wrong:

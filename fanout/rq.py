@@ -41,6 +41,8 @@ ALIVE_TTL = 10  # seconds a running drain job's slot key lives without renewal
 IDLE_EXIT_SECONDS = 2.0
 QUEUED_TTL = 600  # seconds a slot stays taken by a job that waits in the queue
 
+# Set while a FanoutWorker runs in this process: it supervises, so idle drains may leave.
+_supervising = threading.Event()
 # Set when the RQ worker running us was asked to stop (see FanoutWorker.request_stop).
 _stop_requested = threading.Event()
 # The stop events of the drains running in this process: a stop request sets them at once, so
@@ -246,7 +248,9 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
             owner=owner_name(f"rq-{slot}-{i + 1}"),
             stop=stop,
             deadline=deadline,
-            idle_exit=IDLE_EXIT_SECONDS,
+            # Only where this process supervises (FanoutWorker) may an idle drain leave: the
+            # supervisor brings one back when work appears. RQ's own workers keep theirs.
+            idle_exit=IDLE_EXIT_SECONDS if _supervising.is_set() else None,
         )
         for i in range(drain_threads(run, definition))
     ]
@@ -353,9 +357,11 @@ class FanoutWorker(SimpleWorker):
         # Every worker also supervises: it takes up runs that lost their drain jobs or their
         # joiner, so no run depends on a waiting parent (see fanout.supervise).
         supervisor = Supervisor(f"fanout-supervisor-{self.name}").start()
+        _supervising.set()
         try:
             return super().work(*args, **kwargs)
         finally:
+            _supervising.clear()
             supervisor.stop()
 
     def request_stop(self, signum: Any, frame: Any) -> None:
