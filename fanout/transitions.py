@@ -26,7 +26,7 @@ from django.db.models import F, Field, QuerySet
 from django.db.models.functions import Greatest
 
 from .clock import DbNow, db_now_plus
-from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
+from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
 
 # What an execution ended in; RETRY, THROTTLED and RELEASED put the item back to pending.
 SUCCEEDED, FAILED, RETRY, THROTTLED, RELEASED = (
@@ -102,18 +102,6 @@ def recount(run_id: int) -> int:
         count = ItemClaim.objects.filter(run_id=run_id).holding_run_slots().count()
         BatchRun.objects.filter(pk=run_id).update(in_flight=count)
     return count
-
-
-def recount_pools(names: Iterable[str] | None = None) -> None:
-    """Set pools' counters from the rows, each under its own lock."""
-    pools = CapacityPool.objects.all()
-    if names is not None:
-        pools = pools.filter(name__in=list(names))
-    for name in pools.order_by("name").values_list("name", flat=True):
-        with transaction.atomic():
-            list(CapacityPool.objects.filter(name=name).select_for_update().values_list("pk"))
-            count = ItemClaim.objects.filter(pool=name).running().count()
-            CapacityPool.objects.filter(name=name).update(in_flight=count)
 
 
 # --- into running -------------------------------------------------------------------------
@@ -523,6 +511,3 @@ def hand_over(
 def _loads(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
 
-
-def run_is_open(run_id: int) -> bool:
-    return BatchRun.objects.filter(pk=run_id, status=RunStatus.RUNNING).exists()

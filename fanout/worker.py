@@ -20,7 +20,7 @@ from .conf import conf, host_name
 from .definition import FanOut
 from .join import maybe_join
 from .lease import LeaseKeeper
-from .models import CapacityPool, FailurePolicy, ItemClaim, RunStatus
+from .models import CapacityPool, ItemClaim, RunStatus
 from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
@@ -222,17 +222,9 @@ class Drain:
     def _can_hand_over(self, batch: Batch) -> bool:
         if len(batch.outcomes) != 1 or not can_hand_over(batch.outcomes[0]):
             return False
-        if self._expired_waiting():
-            # A dead owner's items hold slots that hand-overs would never give them: take the
-            # claim path, which reclaims them first.
-            return False
-        # Under fail_fast a failure (or a retry, which may have to become one) is recorded
-        # by record(), which cancels what nobody holds.
-        kind = batch.outcomes[0].kind
-        if kind == SUCCEEDED:
-            return True
-        policy = batch.failure_policy
-        return policy != FailurePolicy.FAIL_FAST and not self.definition.has_thresholds
+        # A dead owner's items hold slots that hand-overs would never give them: take the
+        # claim path, which reclaims them first.
+        return not self._expired_waiting()
 
     def _expired_waiting(self) -> bool:
         """Whether the run has expired leases to reclaim; asked at most twice a second per
