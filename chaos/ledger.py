@@ -300,6 +300,8 @@ def _check_recorded(
     item: dict[str, Any], calls: list[Exec], run: RunInfo, deaths: dict[int, Death], fig: Figures
 ) -> None:
     """The recorded outcome is the current owner's, and nothing ran after it was recorded."""
+    if item["status"] in ("pending", "running", "waiting"):
+        return  # no outcome yet: an error on the row is from an earlier attempt
     exec_id = None
     if isinstance(item["result"], dict):
         exec_id = item["result"].get("exec")

@@ -158,6 +158,10 @@ def reap_slots(run: BatchRun, definition: FanOut) -> list[str]:
             continue
         job_key = b"rq:job:" + (job_id if isinstance(job_id, bytes) else job_id.encode())
         status = conn.hget(job_key, "status")
+        if status == b"started" and conn.ttl(key) > ALIVE_TTL:
+            # Started but never beat (its worker may have died between dequeue and the first
+            # beat): a live job's beat keeps the key from now on; a dead one's frees it soon.
+            conn.expire(key, ALIVE_TTL)
         if status is not None and status not in _DEAD_STATUSES:
             continue  # queued or running
         if conn.get(key) == job_id:
@@ -206,6 +210,9 @@ def drain_job(run_id: int, slot: int) -> str:
     """RQ job: drain one run until it is finished, a time budget is spent or the worker stops."""
     job = get_current_job()
     key = slot_key(run_id, slot)
+    # Beat at once: until then the slot key carries QUEUED_TTL, so a worker killed before its
+    # first beat would hold the slot for minutes (reap_slots also cuts such a key short).
+    _heartbeat(job, key, force=True)
     close_old_connections()
     try:
         return _drain(job, key, run_id, slot)
@@ -326,10 +333,10 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
 _last_beat: dict[str, float] = {}
 
 
-def _heartbeat(job: Any, key: str, ttl: int = ALIVE_TTL) -> None:
+def _heartbeat(job: Any, key: str, ttl: int = ALIVE_TTL, force: bool = False) -> None:
     """Keep this job's slot key alive; a crashed job's slot frees itself within ``ttl``."""
     now = time.monotonic()
-    if job is None or now - _last_beat.get(key, 0.0) < ttl / 4:
+    if job is None or (not force and now - _last_beat.get(key, 0.0) < ttl / 4):
         return
     _last_beat[key] = now
     try:

@@ -57,7 +57,22 @@ def finished_run(run_id: int, timeout: float = 60, every: float = 0.1) -> BatchR
         run = BatchRun.objects.get(pk=run_id)
         return run if run.is_terminal else None
 
-    return wait_until(done, timeout, f"run {run_id} to finish", every=every)
+    try:
+        return wait_until(done, timeout, f"run {run_id} to finish", every=every)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{describe_runs()}") from None
+
+
+def describe_runs() -> str:
+    """Every run's state and its items' statuses: what a test that timed out shows."""
+    lines = []
+    for run in BatchRun.objects.order_by("pk"):
+        items = Counter(ItemClaim.objects.filter(run=run).values_list("status", flat=True))
+        lines.append(
+            f"run {run.pk} {run.definition} {run.status} in_flight={run.in_flight} "
+            f"items={dict(items)} stalled={run.stalled!r} error={run.error[:200]!r}"
+        )
+    return "\n".join(lines)
 
 
 def assert_succeeded_once_each(run_id: int, n: int) -> BatchRun:

@@ -38,9 +38,7 @@ def test_a_deploy_that_kills_every_worker_mid_run_loses_nothing_and_needs_nobody
 ) -> None:
     old = processes.workers(2, **FAST)
     # What a web view does: start on RQ and return; no parent waits on the run.
-    run = get_definition("rq_crash").start(
-        {"n": 300, "delay": 0.02}, executor="rq", wait=False
-    )
+    run = get_definition("rq_crash").start({"n": 300, "delay": 0.02}, executor="rq", wait=False)
     wait_until(lambda: ran(run.pk) >= 60, 60, "60 items to run")
     for worker in old:
         worker.signal(signal.SIGKILL)
@@ -161,3 +159,25 @@ def test_a_drain_job_that_a_pickle_worker_cannot_read_frees_its_slot_and_says_wh
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert run.stalled == ""
     assert executions(run.pk) == Counter(dict.fromkeys(keys(20), 1))
+
+
+def test_a_worker_killed_between_dequeue_and_its_first_beat_does_not_hold_the_slot(
+    processes: Any, redis: Any
+) -> None:
+    # One drain slot; the worker that takes its job dies before the job's code runs, so the
+    # slot key still carries the minutes a queued job is allowed.
+    dying = processes.worker(
+        "fanout", args=["--worker-class", "tests.rq.dying_worker.DiesOnDequeue"]
+    )
+    run = get_definition("rq_items").start(
+        {"n": 6}, executor="rq", workers=1, max_parallel=1, wait=False
+    )
+    dying.wait(timeout=30)
+    [job_id] = [redis.get(k) for k in redis.scan_iter(match=f"fanout:drain:{run.pk}:*")]
+    assert redis.hget(b"rq:job:" + job_id, "status") == b"started"
+
+    processes.workers(1, **FAST)
+    run = finished_run(run.pk, timeout=60)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert executions(run.pk) == Counter(dict.fromkeys(keys(6), 1))
