@@ -7,7 +7,8 @@ lease, fence and retry their compensations (``compensate(item, result)``) up to 
 ``max_attempts``. ``compensate_order="reverse"`` (the default) runs them strictly one after
 another, the latest finished item first, like a saga; ``"parallel"`` runs up to
 ``compensate_max_parallel`` at once, a budget of their own (the run row's ``compensating``
-counter) so that rollback never takes forward work's slots. Each runs in its item's pool. The run
+counter) so that rollback never takes forward work's slots. Each runs in its item's pool, and
+``host_max_parallel`` bounds them on each host apart from the items. The run
 ends ``compensated``, or ``compensation_failed`` if any compensation used up its attempts (it
 stays visible, and an operator can retry it).
 """
@@ -25,8 +26,9 @@ from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Greatest
 
-from .claim import lock_run
+from .claim import host_lock, lock_run
 from .clock import DbNow, db_now_plus
+from .conf import host_name
 from .definition import FanOut, Item
 from .lease import keep_alive
 from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
@@ -87,7 +89,17 @@ class Taken:
 
 
 def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
-    """Take the compensations the order and the budget allow, in one short transaction."""
+    """Take the compensations the order and the budget allow, in one short transaction.
+
+    With ``host_max_parallel``, at most that many of the definition's compensations run at once
+    on this host, counted apart from its items (a lock of their own serialises the count).
+    """
+    most = definition.host_max_parallel
+    with host_lock((f"{definition.name}:compensate", most) if most else None):
+        return _claim(run_id, definition, owner)
+
+
+def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
     with transaction.atomic():
         run = lock_run(run_id)
         if run is None or run["status"] != RunStatus.COMPENSATING:
@@ -97,6 +109,9 @@ def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
         if items.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING)).exists():
             # Strict reverse order needs every forward item finished first.
             return Taken(None, reason="waiting for running items to finish")
+        full = _host_full(definition)
+        if full:
+            return Taken(None, reason=full)
         comp = items.filter(status=ItemStatus.COMPENSATING)
         fields = ("pk", "key", "index", "payload", "pool", "compensation_attempt", "result")
         order = ("-finished_at", "-index") if definition.compensate_order == REVERSE else ("index",)
@@ -151,6 +166,24 @@ def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
                 for c in taken
             ],
         )
+
+
+def _host_full(definition: FanOut) -> str:
+    """Why this host may start no more of the definition's compensations ("" if it may)."""
+    most = definition.host_max_parallel
+    if not most:
+        return ""
+    host = host_name()
+    live = ItemClaim.objects.filter(
+        run__definition=definition.name,
+        status=ItemStatus.COMPENSATING,
+        claim_token__isnull=False,
+        lease_expires_at__gt=DbNow(),
+        owner__startswith=f"{host}:",
+    ).count()
+    if live < most:
+        return ""
+    return f"host {host} at host_max_parallel for compensations ({live}/{most})"
 
 
 def _due(pk: int) -> bool:

@@ -259,3 +259,13 @@ FanOut(
 
 # At most 2 items per host, however many threads and processes a host has.
 FanOut("slots_per_host", max_parallel=12, host_max_parallel=2, lease_seconds=3, **common)
+# One item and, counted apart, one compensation per host at a time, out of a budget of 8.
+FanOut(
+    "comp_per_host",
+    failure_policy="collect",
+    max_parallel=8,
+    host_max_parallel=1,
+    compensate_order="parallel",
+    compensate_max_parallel=8,
+    **charges,
+)
