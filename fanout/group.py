@@ -2,9 +2,15 @@
 
 A ``Group`` is a definition like any other (``run_fanout NAME``, ``.start()``, the admin): its
 work list is its members' names. Each member gets an Item whose key is its name and whose
-payload is the group's params. A member is a ``Step`` (a callable with its own attempts, pool
-and timeout), a plain callable, or a ``FanOut``, which runs as a child run with the group's
-params (see ``Item.spawn``).
+payload is the group's params. A member is a ``Step`` (a callable with its own attempts, pool,
+timeout and compensation), a plain callable, or a ``FanOut``, which runs as a child run with the
+group's params (see ``Item.spawn``).
+
+A group whose Steps give ``compensate=`` compensates like any FanOut: when it fails (or an
+operator cancels it with compensation), each member that succeeded and has a compensation is
+undone once, latest finished first (``compensate_order`` and the rest are the group's options).
+A member with no compensation has nothing to undo. A FanOut member's own items are its own
+definition's affair: give that definition ``compensate=`` and its run undoes them when it fails.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ class Step:
         pool: str | None = None,
         timeout: float | None = None,
         requires: str | None = None,
+        compensate: Callable[[Item, Any], Any] | None = None,
     ) -> None:
         if not callable(do):
             raise FanoutError(f"a Step needs a callable, got {do!r}")
+        if compensate is not None and not callable(compensate):
+            raise FanoutError(f"Step compensate must be a callable, got {compensate!r}")
         if max_attempts is not None and (
             isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
         ):
@@ -44,6 +53,7 @@ class Step:
         self.pool = pool
         self.timeout = timeout
         self.requires = requires
+        self.compensate = compensate
 
 
 class Group(FanOut):
@@ -84,6 +94,12 @@ class Group(FanOut):
                 )
         self.members = members
         options.setdefault("max_parallel", len(members))  # members start together
+        if any(isinstance(m, Step) and m.compensate for m in members.values()):
+            if options.get("compensate") is not None:
+                raise FanoutError(
+                    f"group {name!r}: give compensate= on its Steps, not on the group"
+                )
+            options["compensate"] = self._compensate_member
         super().__init__(
             name,
             over=lambda params: list(members),
@@ -114,6 +130,11 @@ class Group(FanOut):
         if isinstance(member, FanOut):
             return item.spawn(member, params=dict(item.params))
         return member.do(dataclasses.replace(item, payload=dict(item.params)))
+
+    def _compensate_member(self, item: Item, result: Any) -> None:
+        member = self.members[item.key]
+        if isinstance(member, Step) and member.compensate is not None:
+            member.compensate(dataclasses.replace(item, payload=dict(item.params)), result)
 
     def _member_pool(self, item: Item) -> str:
         return _pool(self.members[item.key]) or ""

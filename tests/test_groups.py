@@ -71,3 +71,28 @@ def test_a_group_is_refused_clearly_when_a_member_is_not_runnable() -> None:
         Group("group_empty", steps={})
     with pytest.raises(FanoutError, match="Step max_attempts"):
         Step(print, max_attempts=0)
+
+
+def test_a_groups_steps_are_compensated_when_it_fails() -> None:
+    # "ship" fails after the others succeeded: each of them is undone once, latest first.
+    run = run_group("group_compensating", failing=["ship"], slow={"ship": 0.3}, sleep=0)
+
+    assert run.status == RunStatus.COMPENSATED, run.error
+    statuses = dict(ItemClaim.objects.filter(run=run).values_list("key", "status"))
+    assert statuses == {
+        "reserve": ItemStatus.COMPENSATED,
+        "pay": ItemStatus.COMPENSATED,
+        "ship": ItemStatus.FAILED,
+    }
+    undone = Execution.objects.filter(run_id=run.pk, key__startswith="undo:").order_by("started")
+    finished = ItemClaim.objects.filter(run=run, key__in=["reserve", "pay"]).order_by(
+        "-finished_at"
+    )
+    assert [u.key for u in undone] == [f"undo:{i.key}" for i in finished]
+
+
+def test_a_step_compensation_must_be_callable_and_only_on_steps() -> None:
+    with pytest.raises(FanoutError, match="Step compensate must be a callable"):
+        Step(print, compensate=42)
+    with pytest.raises(FanoutError, match="give compensate= on its Steps, not on the group"):
+        Group("group_both", steps={"a": Step(print, compensate=print)}, compensate=print)

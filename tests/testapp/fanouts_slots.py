@@ -269,3 +269,22 @@ FanOut(
     compensate_max_parallel=8,
     **charges,
 )
+
+
+def _compensating_group() -> None:
+    from fanout import Group, Step
+
+    # Two members that are undone when the group fails, and one that fails it (late).
+    Group(
+        "group_compensating",
+        steps={
+            "reserve": Step(charge, compensate=refund),
+            "pay": Step(charge, compensate=refund, max_attempts=1),
+            "ship": Step(charge),
+        },
+        failure_policy="fail_fast",
+        retry_backoff=0.02,
+    )
+
+
+_compensating_group()
