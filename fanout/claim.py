@@ -392,6 +392,9 @@ class _Claim:
         elif self.room <= 0 and not result.items:
             used, limit_ = self.run["in_flight"], self.run["max_parallel"]
             result.reason = f"run at max_parallel ({used}/{limit_})"
+            # A lease running out is a slot coming back (its owner may be dead): a drain about
+            # to leave idle stays for it, or nobody but the supervisor would reclaim it.
+            result.retry_at = _next_due(self.run_id, self.now)
         elif not result.items:
             result.reason = "nothing claimable"
             result.retry_at = _next_due(self.run_id, self.now)

@@ -324,3 +324,23 @@ def test_claiming_a_batch_takes_the_same_few_queries_whatever_the_run_size() -> 
 
     assert len(one) == len(batch) == len(large_batch)
     assert len(large_batch) <= 6, large_batch
+
+
+@pytest.mark.django_db
+def test_a_run_at_max_parallel_says_when_a_held_lease_runs_out() -> None:
+    # Every slot is held (its owner may be dead): the claimer learns when the first lease
+    # runs out, so that an idle drain stays to reclaim it instead of leaving.
+    run = prepare("t_ledger", {"n": 5})
+    BatchRun.objects.filter(pk=run.pk).update(max_parallel=2)
+    held = take(run, "owner-a", limit=2, lease_seconds=30)
+    assert len(held.items) == 2
+
+    waiting = take(run, "owner-b", limit=1, lease_seconds=30)
+
+    assert waiting.items == []
+    assert waiting.reason == "run at max_parallel (2/2)"
+    expires = min(
+        ItemClaim.objects.filter(run=run).running().values_list("lease_expires_at", flat=True)
+    )
+    assert waiting.retry_at == expires
+    assert 0 < waiting.retry_in <= 30

@@ -18,13 +18,18 @@ from django.utils import timezone
 from django_filters.widgets import DateRangeWidget, RangeWidget, SuffixedMultiWidget
 
 from ..models import CapacityPool, ItemClaim, ItemStatus
-from ..report import WAITING
 from ..waiting import held_q
 
+# "held" (pending items held back) is the progress bar's "waiting" segment; the status
+# "waiting" is an item whose work a child run does.
+HELD = "held"
 STATUS_CHOICES = [
     *ItemStatus.choices[:1],
-    (WAITING, "Waiting (pending, held back)"),
-    *ItemStatus.choices[1:],
+    (HELD, "Held back (pending)"),
+    *[
+        (value, "Waiting on a child run" if value == ItemStatus.WAITING else label)
+        for value, label in ItemStatus.choices[1:]
+    ],
 ]
 
 
@@ -73,7 +78,7 @@ class ItemClaimFilterSet(django_filters.FilterSet):
         fields: list[str] = []
 
     def filter_status(self, queryset: QuerySet, name: str, value: str) -> QuerySet:
-        if value == WAITING:
+        if value == HELD:
             return queryset.filter(held_q(timezone.now()))
         return queryset.filter(status=value)
 

@@ -39,11 +39,15 @@ from .filters import ItemClaimFilter
 # The columns a status filter leaves empty, left out so the others have room.
 EMPTY_COLUMNS = {
     "pending": ("lease", "duration_display"),
-    "waiting": ("lease", "duration_display"),
+    "held": ("lease", "duration_display"),
     "running": ("why_it_waits", "duration_display"),
+    "waiting": ("why_it_waits", "lease", "duration_display"),
     "succeeded": ("why_it_waits",),
     "failed": ("why_it_waits",),
     "cancelled": ("why_it_waits",),
+    "compensating": ("why_it_waits",),
+    "compensated": ("why_it_waits",),
+    "compensation_failed": ("why_it_waits",),
 }
 
 
@@ -223,8 +227,8 @@ class ItemClaimAdmin(FanoutAdmin):
     def status_badge(self, item: ItemClaim) -> str:
         if getattr(item, "fanout_held", False):
             return format_html(
-                '<span class="fanout-badge fanout-waiting" title="{}">Waiting</span>',
-                "pending, held back",
+                '<span class="fanout-badge fanout-waiting" title="{}">Held back</span>',
+                "pending, held back: see why it waits",
             )
         return format_html(
             '<span class="fanout-badge fanout-{}">{}</span>', item.status, item.get_status_display()

@@ -22,7 +22,15 @@ from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from ..recover import RETRYABLE_RUNS
-from ..report import BAR_WIDTH, SEGMENTS, Progress, failure_groups, progress_of, tree_report
+from ..report import (
+    BAR_WIDTH,
+    SEGMENTS,
+    WAITING,
+    Progress,
+    failure_groups,
+    progress_of,
+    tree_report,
+)
 from ..text import human_duration, human_rate, last_line, plural
 from .common import (
     CANCELLABLE_RUNS,
@@ -38,6 +46,7 @@ from .common import (
     time_field,
     timestamp,
 )
+from .filters import HELD
 
 ACTIVE_RUN_STATUSES = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
 POLL_MILLISECONDS = 2000
@@ -334,7 +343,11 @@ class BatchRunAdmin(FanoutAdmin):
             "poll_ms": POLL_MILLISECONDS,
             "items_url": items_url(run=run.pk),
             "legend": [
-                {"status": s, "n": counts[s], "url": items_url(run=run.pk, status=s)}
+                {
+                    "status": s,
+                    "n": counts[s],
+                    "url": items_url(run=run.pk, status=HELD if s == WAITING else s),
+                }
                 for s in SEGMENTS
                 if s in counts
             ],

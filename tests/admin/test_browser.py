@@ -222,7 +222,7 @@ def test_every_console_page_fits_a_laptop_screen_with_errors_and_reasons_in_view
         expect(page.locator("#result_list")).to_contain_text("retry due in")
         shoot("pending-items")
         assert_fits(page, "#result_list td.field-why_it_waits", row_height=45)
-        page.goto(f"{admin}/itemclaim/?run={runs['held'].pk}&status=waiting")
+        page.goto(f"{admin}/itemclaim/?run={runs['held'].pk}&status=held")
         expect(page.locator("#result_list")).to_contain_text("ocr-provider: pool paused")
         shoot("waiting-items")
 
@@ -336,3 +336,85 @@ def test_an_operator_finds_a_runs_failures_and_retries_them_in_the_browser(
     )
     run.refresh_from_db()
     assert run.status == RunStatus.RUNNING
+
+
+def composed_runs() -> dict[str, BatchRun]:
+    """Real runs, run inline: a tree three levels deep, a run that failed and compensated what
+    it had done, and a group whose email step succeeded on its third attempt."""
+    import uuid
+
+    from fanout.definition import get_definition
+
+    def start(name: str, **params: Any) -> BatchRun:
+        return get_definition(name).start(params, run_key=f"{name}:{uuid.uuid4().hex[:6]}")
+
+    return {
+        "tree": start("nest_orgs", orgs=2, repos=2, files=2),
+        "compensated": start("comp_reverse", n=8, failing=["s00005"]),
+        "group": start("group_onboard", customer=7, email_flaky=2, n=1),
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_trees_compensations_and_attempt_histories_read_plainly_at_1400_px(
+    live_server, django_user_model
+):
+    from playwright.sync_api import expect
+
+    ensure_chromium()
+    django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
+    runs = composed_runs()
+    tree, compensated, group = runs["tree"], runs["compensated"], runs["group"]
+    assert tree.status == RunStatus.SUCCEEDED, tree.error
+    assert compensated.status == RunStatus.COMPENSATED, compensated.error
+    org = ItemClaim.objects.get(run=tree, key="o0")
+    child = BatchRun.objects.get(parent_item=org)
+    email = ItemClaim.objects.get(run=group, key="email")
+    undone = ItemClaim.objects.filter(run=compensated, status=ItemStatus.COMPENSATED).count()
+    assert undone >= 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    admin = f"{live_server.url}/admin/fanout"
+
+    with chromium_page() as page:
+
+        def shoot(name: str) -> None:
+            page.screenshot(path=str(ARTIFACTS / f"composed-{name}.png"), full_page=True)
+
+        log_in(page, live_server.url, "/admin/fanout/batchrun/")
+
+        # The root of the tree sums its runs (itself, 2 children, 4 grandchildren) and items.
+        counts = page.locator(".fieldBox.field-tree_counts")
+        page.goto(f"{admin}/batchrun/{tree.pk}/change/")
+        expect(counts).to_contain_text("7 runs: 14 succeeded")
+        shoot("tree-root")
+        assert_fits(page, ".fanout-summary, fieldset")
+
+        # An item of the root links to the run it handed its work to, and that run links back.
+        page.goto(f"{admin}/itemclaim/{org.pk}/change/")
+        link = page.locator(".field-child_run_link a")
+        expect(link).to_have_text(f"#{child.pk} nest_repos")
+        shoot("tree-item")
+        link.click()
+        expect(page.locator(".fieldBox.field-parent_link")).to_contain_text(f"o0 of run #{tree.pk}")
+        expect(counts).to_contain_text("3 runs: 6 succeeded")
+        shoot("tree-child")
+
+        # The compensated run: its status, and every item that had succeeded, undone.
+        page.goto(f"{admin}/batchrun/{compensated.pk}/change/")
+        expect(page.locator("#content")).to_contain_text("Compensated")
+        shoot("compensated-run")
+        assert_fits(page, ".fanout-summary, fieldset")
+        page.goto(f"{admin}/itemclaim/?run={compensated.pk}&status=compensated")
+        expect(page.locator("#result_list tbody tr")).to_have_count(undone)
+        expect(page.locator("#result_list tbody tr").first).to_contain_text("Compensated")
+        shoot("compensated-items")
+        assert_fits(page, "#result_list td", row_height=45)
+
+        # The email step's page keeps both failed attempts: when, where, how long and why.
+        page.goto(f"{admin}/itemclaim/{email.pk}/change/")
+        history = page.locator("table.fanout-attempts tbody tr")
+        expect(history).to_have_count(2)
+        expect(history.first).to_contain_text("RuntimeError")
+        expect(history.first).to_contain_text("smtp hiccup on attempt 1")
+        shoot("attempt-history")
+        assert_fits(page, "table.fanout-attempts td, fieldset")

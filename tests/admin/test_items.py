@@ -47,18 +47,24 @@ def test_items_filter_by_run_and_status(admin_client):
     assert keys(response) == ["item-000002"]
 
 
-def test_the_waiting_status_lists_pending_items_held_by_a_retry_or_a_pool(admin_client):
+def test_the_held_filter_lists_pending_items_held_by_a_retry_or_a_pool(admin_client):
     CapacityPool.objects.create(name="slow-api", max_concurrency=1, paused=True)
     held_by_retry = make_run({"pending": 3}, waiting=1)
     held_by_pool = make_run({"pending": 2}, pool="slow-api")
+    on_a_child = make_run({"waiting": 1, "pending": 1})
 
-    response = admin_client.get(CHANGELIST, {"status": "waiting"})
+    response = admin_client.get(CHANGELIST, {"status": "held"})
 
     got = {(i.run_id, i.key) for i in response.context["cl"].result_list}
     assert got == {
         (held_by_retry.pk, "item-000000"),
         (held_by_pool.pk, "item-000000"),
         (held_by_pool.pk, "item-000001"),
+    }
+    # The status "waiting" is an item whose work a child run does: a filter of its own.
+    response = admin_client.get(CHANGELIST, {"status": "waiting"})
+    assert {(i.run_id, i.key) for i in response.context["cl"].result_list} == {
+        (on_a_child.pk, "item-000000")
     }
 
 

@@ -93,7 +93,8 @@ def test_the_run_page_links_its_items_filtered_by_status(admin_client):
 
     html = admin_client.get(change_url(run)).content.decode()
 
-    for status in ("succeeded", "failed", "running", "waiting", "pending", "cancelled"):
+    # The bar's "waiting" segment (pending items held back) links to the "held" filter.
+    for status in ("succeeded", "failed", "running", "held", "pending", "cancelled"):
         assert f"?run={run.pk}&amp;status={status}" in html
 
 
