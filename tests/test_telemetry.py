@@ -1,4 +1,4 @@
-"""Spans and metrics as OpenTelemetry's in-memory exporters receive them.
+"""Spans and metrics as OpenTelemetry's in-memory exporters receive them, and the Prometheus view.
 
 Every figure is compared with the rows it describes; the providers are the SDK's own, given
 to fanout by ``telemetry.configure`` (a process has one global provider, set once).
@@ -13,8 +13,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
 from django.core.checks import run_checks
 from django.test import override_settings
+from django.urls import reverse
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -22,6 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from prometheus_client.parser import text_string_to_metric_families
 
 from fanout import FanOut, Item, telemetry
 from fanout.claim import claim
@@ -328,6 +331,53 @@ def test_gauges_read_the_items_of_open_runs_and_the_pools_from_the_rows(otel: Ex
     assert otel.values("fanout.items", "definition", "status") == items
     assert otel.values("fanout.pool.in_flight", "pool") == {(n,): v for n, v in in_flight.items()}
     assert otel.values("fanout.pool.limit", "pool") == {(n,): v for n, v in limits.items()}
+
+
+# --- Prometheus ------------------------------------------------------------------------------
+
+
+def scrape(client: Any, **headers: str) -> Any:
+    return client.get(reverse("fanout-metrics"), headers=headers)
+
+
+def families(text: str) -> dict[str, dict[tuple[str, ...], float]]:
+    found: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sample.labels[k] for k in sorted(sample.labels))
+            found.setdefault(sample.name, {})[labels] = sample.value
+    return found
+
+
+def test_the_prometheus_view_serves_the_rows_figures_to_staff(client: Any) -> None:
+    run = open_pool_run()
+    client.force_login(User.objects.create_user("ops", is_staff=True))
+
+    response = scrape(client)
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    got = families(response.content.decode())
+    items, in_flight, limits = row_figures(run)
+    assert got["fanout_items"] == {(d, s): float(n) for (d, s), n in items.items()}
+    assert got["fanout_pool_in_flight"] == {(n,): float(v) for n, v in in_flight.items()}
+    assert got["fanout_pool_limit"] == {(n,): float(v) for n, v in limits.items()}
+    assert got["fanout_pool_in_flight"][(BUSY_POOL,)] == 2.0
+
+
+def test_the_prometheus_view_refuses_anyone_else(client: Any) -> None:
+    assert scrape(client).status_code == 403
+    client.force_login(User.objects.create_user("someone"))
+    assert scrape(client).status_code == 403
+    # Without a token configured, no bearer token is good.
+    assert scrape(client, Authorization="Bearer ").status_code == 403
+
+
+@override_settings(FANOUT_METRICS_TOKEN="s3cret")
+def test_the_prometheus_view_takes_the_configured_bearer_token(client: Any) -> None:
+    assert scrape(client, Authorization="Bearer s3cret").status_code == 200
+    assert scrape(client, Authorization="Bearer s3cre").status_code == 403
+    assert scrape(client, Authorization="s3cret").status_code == 403
 
 
 # --- settings --------------------------------------------------------------------------------
