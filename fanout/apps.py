@@ -46,3 +46,10 @@ class FanoutConfig(AppConfig):
         # Every installed app's fanouts.py registers its definitions, as admin.py does.
         discover_definitions()
         post_migrate.connect(_create_configured_pools, sender=self)
+        from . import telemetry
+
+        if telemetry.available:
+            from .signals import run_finished
+
+            # A run's span is recorded when it ends, by whichever process ended it.
+            run_finished.connect(telemetry.on_run_finished, dispatch_uid="fanout.telemetry")

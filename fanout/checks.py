@@ -35,6 +35,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         lease = 0.0
     if lease <= 0:
         problems.append(Error("FANOUT_LEASE_SECONDS must be a number > 0", id="fanout.E003"))
+    rate = conf.OTEL_ITEM_SAMPLE_RATE
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+        problems.append(
+            Error(
+                f"FANOUT_OTEL_ITEM_SAMPLE_RATE must be a number from 0 to 1, got {rate!r}",
+                hint="a share of items, not a percentage: 0.01 traces one item in a hundred",
+                id="fanout.E006",
+            )
+        )
     return problems
 
 

@@ -308,7 +308,9 @@ def retry_failed_compensations(run: BatchRun) -> int:
         if count:
             BatchRun.objects.filter(
                 pk=run.pk, status=RunStatus.COMPENSATION_FAILED
-            ).update(status=RunStatus.COMPENSATING, finished_at=None)
+            ).update(
+                status=RunStatus.COMPENSATING, finished_at=None, reopened=F("reopened") + 1
+            )
     run.refresh_from_db()
     return count
 

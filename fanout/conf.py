@@ -38,6 +38,11 @@ DEFAULTS: dict[str, Any] = {
     "HOST_NAME": None,
     # Longest pause of an idle worker between claim attempts.
     "IDLE_MAX_SECONDS": 0.25,
+    # Share of items whose attempts get an OpenTelemetry span (0..1, chosen by key); attempts
+    # whose handler raised always get one. Needs the otel extra and a configured SDK.
+    "OTEL_ITEM_SAMPLE_RATE": 0.01,
+    # A bearer token that may read fanout.prometheus.metrics_view besides staff users.
+    "METRICS_TOKEN": None,
 }
 
 
@@ -66,6 +71,8 @@ class Settings:
     JOIN_ATTEMPTS: int
     JOIN_RETRY_BACKOFF: float
     JOIN_LEASE_SECONDS: float
+    OTEL_ITEM_SAMPLE_RATE: float
+    METRICS_TOKEN: str | None
 
 
 conf = Settings()

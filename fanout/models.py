@@ -91,6 +91,9 @@ class BatchRun(models.Model):
     )
     # Joins that raised since the run last (re)opened: retried with backoff up to a limit.
     join_failures = models.PositiveIntegerField(default=0, db_default=0)
+    # Times the run was reopened after it ended (a retry of failed items or compensations):
+    # each end is a span of its own in the run's trace (fanout.telemetry).
+    reopened = models.PositiveIntegerField(default=0, db_default=0)
     # Compensations running now (a FanOut's compensate=): their own budget, under this lock.
     compensating = models.PositiveIntegerField(default=0, db_default=0)
     error = models.TextField(blank=True)

@@ -6,14 +6,14 @@ import uuid
 from collections.abc import Iterable, Mapping
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Case, F, PositiveIntegerField, QuerySet, When
 
 from . import transitions
 from .claim import lock_run
 from .clock import DbNow
 from .definition import get_definition
 from .errors import FanoutError
-from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemClaim, ItemStatus, RunStatus
 from .record import cancel_pending
 
 # Runs whose failed items may be retried: a pending run is still writing its items, and a
@@ -60,6 +60,12 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
         count += transitions.reopen(qs.exclude(pk__in=rewait))
         if count:
             BatchRun.objects.filter(pk=run.pk).exclude(status=RunStatus.PENDING).update(
+                # A run that had ended starts a new span of its trace (fanout.telemetry).
+                reopened=Case(
+                    When(status__in=TERMINAL_RUN_STATUSES, then=F("reopened") + 1),
+                    default=F("reopened"),
+                    output_field=PositiveIntegerField(),
+                ),
                 status=RunStatus.RUNNING,
                 finished_at=None,
                 join_token=None,

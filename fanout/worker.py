@@ -25,6 +25,7 @@ from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
 from .signals import item_finished, pool_throttled, send
+from .telemetry import claim_took, item_spans, items_finished
 from .transitions import (
     RELEASED,
     SPAWNED,
@@ -93,8 +94,9 @@ def _gate_set(run_id: int, result: ClaimResult) -> None:
 _expired_asked: dict[int, float] = {}
 
 
-def announce(run_id: int, outcomes: list[ExecutionOutcome]) -> None:
-    """Send the signals for outcomes that were just committed."""
+def announce(run_id: int, definition: str, outcomes: list[ExecutionOutcome]) -> None:
+    """Send the signals for outcomes that were just committed, and count them."""
+    items_finished(definition, outcomes)
     if item_finished.has_listeners(ItemClaim):
         for o in outcomes:
             if o.terminal:
@@ -156,6 +158,7 @@ class Drain:
         # Items run but not yet recorded: they are recorded by the next claim or hand-over.
         batch: Batch | None = None
         self._idle_since: float | None = None
+        self._spans = item_spans(self.run_id, self.definition.name)
         while True:
             if self.stop.is_set() or (
                 self.deadline is not None and time.monotonic() >= self.deadline
@@ -213,7 +216,12 @@ class Drain:
                 batch.outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
                 continue
             self.keeper.started(item.pk, self.definition.timeout_for(item.key))
-            batch.outcomes.append(execute(self.definition, self.run_id, self.params, item))
+            if self._spans is None:
+                outcome = execute(self.definition, self.run_id, self.params, item)
+            else:
+                run = partial(execute, self.definition, self.run_id, self.params, item)
+                outcome = self._spans.execute(item, run)
+            batch.outcomes.append(outcome)
             self.keeper.finished(item.pk)
             self.executed += 1
         # A handler that broke this thread's connection shows up in the next query, which
@@ -246,6 +254,7 @@ class Drain:
         """Record the one outcome and take the next item in its slot: one statement."""
         outcome = batch.outcomes[0]
         token = uuid.uuid4()
+        began = time.perf_counter()
         done = self._db(
             partial(
                 hand_over,
@@ -259,9 +268,10 @@ class Drain:
         )
         if done is None:
             return batch  # the database went away: record it again
+        claim_took(self.definition.name, "hand_over", time.perf_counter() - began)
         self.keeper.drop([outcome.pk])
         if done.written:
-            announce(self.run_id, [outcome])
+            announce(self.run_id, self.definition.name, [outcome])
         if not done.written:
             logger.warning(
                 "run %s: outcome of %s dropped: this worker had lost its claim",
@@ -280,6 +290,7 @@ class Drain:
     def _claim(self, batch: Batch | None) -> ClaimResult | None:
         """Take new slots, recording the last batch's outcomes in the same transaction."""
         definition = self.definition
+        began = time.perf_counter()
         result = self._db(
             partial(
                 claim,
@@ -299,6 +310,7 @@ class Drain:
         )
         if result is None:
             return None
+        claim_took(definition.name, "claim", time.perf_counter() - began)
         if batch is None:
             _gate_set(self.run_id, result)
         else:
@@ -348,7 +360,7 @@ class Drain:
             freed.subtract(Counter(item.pool for item in reclaimed))
         wake(sum(n for n in freed.values() if n > 0))
         if not recorded.dropped:
-            announce(self.run_id, outcomes)
+            announce(self.run_id, self.definition.name, outcomes)
         for o in outcomes:
             if o.kind == SPAWNED:
                 # The child may have ended before its parent item was waiting: decide it now.
