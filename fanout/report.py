@@ -47,6 +47,21 @@ __all__ = [
 FAILED_LISTED = 10_000  # a report lists at most this many failed items
 FAILURE_GROUPS = 20  # error classes listed on a run's page
 WAITING = "waiting"
+DONE = (
+    ItemStatus.SUCCEEDED,
+    ItemStatus.FAILED,
+    ItemStatus.CANCELLED,
+    ItemStatus.COMPENSATED,
+    ItemStatus.COMPENSATION_FAILED,
+)
+# Items whose handler ran to an outcome (an item being undone had succeeded first).
+PROCESSED = (
+    ItemStatus.SUCCEEDED,
+    ItemStatus.FAILED,
+    ItemStatus.COMPENSATING,
+    ItemStatus.COMPENSATED,
+    ItemStatus.COMPENSATION_FAILED,
+)
 # The progress bar's segments, left to right; "waiting" are the pending items held back.
 SEGMENTS = (
     "succeeded",
@@ -84,13 +99,14 @@ class Progress:
 
     @property
     def done(self) -> int:
-        c = self.counts
-        return c[ItemStatus.SUCCEEDED] + c[ItemStatus.FAILED] + c[ItemStatus.CANCELLED]
+        """Items with nothing left to do: an undone item (compensated, or its compensation
+        failed for good) is done; one whose compensation is due is not."""
+        return sum(self.counts.get(s, 0) for s in DONE)
 
     @property
     def processed(self) -> int:
         """Items a handler ran to an outcome: what a rate is made of."""
-        return self.counts[ItemStatus.SUCCEEDED] + self.counts[ItemStatus.FAILED]
+        return sum(self.counts.get(s, 0) for s in PROCESSED)
 
     @property
     def held(self) -> int:

@@ -402,6 +402,7 @@ def test_trees_compensations_and_attempt_histories_read_plainly_at_1400_px(
         # The compensated run: its status, and every item that had succeeded, undone.
         page.goto(f"{admin}/batchrun/{compensated.pk}/change/")
         expect(page.locator("#content")).to_contain_text("Compensated")
+        expect(page.locator(".fanout-summary")).to_contain_text("8 of 8 items done")
         shoot("compensated-run")
         assert_fits(page, ".fanout-summary, fieldset")
         page.goto(f"{admin}/itemclaim/?run={compensated.pk}&status=compensated")
