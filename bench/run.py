@@ -1,18 +1,19 @@
 #!/usr/bin/env python
 """Benchmark of fanout on PostgreSQL and Redis: per-item commit against a bare psycopg loop,
 batched throughput, materialization, claim cost and pool-limited runs, in one invocation (see
-bench/README.md); on MariaDB too, with --database mariadb.
+bench/README.md); then the same phases on MariaDB, printed beside.
 
     .venv/bin/python bench/run.py [--items N] [--repeats R] [--quick] [--json PATH]
-                                  [--database mariadb] [--mariadb-url URL]
+                                  [--no-mariadb] [--mariadb-url URL] [--database mariadb]
 
 It uses its own database (DATABASE_URL, default postgres://root@127.0.0.1:5432/fanout_bench,
 created and migrated if missing) and its own Redis database (REDIS_URL, default
 redis://127.0.0.1:6379/6): it empties both, so it refuses a database whose name lacks "bench"
 and Redis database 0. RQ workers are started as subprocesses and always stopped.
 
-With --database mariadb it runs on MARIADB_URL instead, default
-mysql://root@127.0.0.1:3306/fanout_bench, under the same rules.
+The MariaDB pass is this script run again (--database mariadb) on MARIADB_URL, default
+mysql://root@127.0.0.1:3306/fanout_bench, under the same rules; its JSON lands under "mariadb".
+It is skipped, with a warning, when MySQLdb does not import or the server does not answer.
 """
 
 from __future__ import annotations
@@ -230,7 +231,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    # The MariaDB pass's lines say so: they are interleaved with the main invocation's.
+    prefix = os.environ.get("FANOUT_BENCH_LOG_PREFIX", "")
+    print(f"[{time.strftime('%H:%M:%S')}] {prefix}{msg}", file=sys.stderr, flush=True)
 
 
 class Retry(Exception):
@@ -382,6 +385,24 @@ def ensure_mariadb_database(cfg: dict[str, Any], recreate: bool) -> None:
             log(f"created database {name}")
     finally:
         conn.close()
+
+
+def mariadb_unavailable(url: str) -> str | None:
+    """Why the MariaDB pass cannot run (no driver, no server), or None if it can."""
+    import dj_database_url
+
+    try:
+        import MySQLdb  # noqa: F401
+    except ImportError as exc:
+        return f"the mysql driver does not import ({exc}; install the mysql extra)"
+    cfg = dj_database_url.parse(url)
+    if cfg["ENGINE"] != "django.db.backends.mysql":
+        return "its URL is no mysql:// URL"  # not shown: it may hold a password
+    try:
+        mysql_connect(cfg).close()
+    except Exception as exc:
+        return f"the server at {cfg.get('HOST')}:{cfg.get('PORT')} does not answer: {exc}"
+    return None
 
 
 def migrate() -> None:
@@ -2023,6 +2044,148 @@ def report_pools(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def beside_rows(pg: dict[str, Any], maria: dict[str, Any]) -> list[tuple[str, str, Callable]]:
+    """(label, unit, value of one pass's results) for every figure the two passes share."""
+
+    def at(phase: str, key: str, field: str = "items_per_s") -> Callable:
+        return lambda r: median(r.get(phase, {}).get(key), field)
+
+    def quotient(a: Callable, b: Callable) -> Callable:
+        return lambda r: a(r) / b(r) if a(r) and b(r) else None
+
+    def server_cpu(r: dict[str, Any]) -> float | None:
+        return at("per_item", "per_item_commit/rq2", result_cpu_fields(r)[1])(r)
+
+    rq1, rq2 = at("per_item", "per_item_commit/rq1"), at("per_item", "per_item_commit/rq2")
+    rows: list[tuple[str, str, Callable]] = [
+        ("per-item commit, RQ 1 worker, items/s", "items/s", rq1),
+        ("per-item commit, RQ 2 workers, items/s", "items/s", rq2),
+        ("bare 2-tx loop, 2 connections, items/s", "items/s", at("per_item", "bare_2tx_2conn")),
+        (
+            "per-item commit, RQ 2 workers / bare 2-tx loop",
+            "ratio",
+            lambda r: median(r.get("per_item"), "ratio_rq2_to_bare_2tx_2conn"),
+        ),
+        (
+            "per-item commit, RQ 2 workers / RQ 1 worker",
+            "ratio",
+            lambda r: median(r.get("per_item"), "ratio_rq2_to_rq1"),
+        ),
+        (
+            "per-item commit, RQ 2 workers: client CPU ms/item",
+            "ms",
+            at("per_item", "per_item_commit/rq2", "cpu_ms_per_item"),
+        ),
+        ("per-item commit, RQ 2 workers: server CPU ms/item", "ms", server_cpu),
+        (
+            "20 ms, max_parallel 16, RQ 2 workers, items/s",
+            "items/s",
+            at("per_item", "sleep20ms/rq2"),
+        ),
+        (
+            "20 ms, max_parallel 16, RQ 2 workers: share of 800/s",
+            "fraction",
+            at("per_item", "sleep20ms/rq2", "fraction_of_limit"),
+        ),
+        (
+            "20 ms, max_parallel 16: most handlers at once",
+            "count",
+            lambda r: r.get("per_item", {}).get("sleep20ms/rq2", {}).get("max_in_flight"),
+        ),
+    ]
+    for key in dict.fromkeys([*pg.get("throughput", {}), *maria.get("throughput", {})]):
+        v = pg.get("throughput", {}).get(key) or maria["throughput"][key]
+        label, plural = key.split("/")[0], "s" if v["workers"] > 1 else ""
+        who = (
+            f"RQ {v['workers']} worker{plural}"
+            if v["executor"] == "rq"
+            else f"inline {v['workers']} thread{plural}"
+        )
+        rows.append(
+            (f"{label} (batch {v['batch_size']}), {who}, items/s", "items/s", at("throughput", key))
+        )
+    noop1, noop2 = at("throughput", "noop/rq1"), at("throughput", "noop/rq2")
+    rows.append(("noop (batch 200), RQ 2 workers / RQ 1 worker", "ratio", quotient(noop2, noop1)))
+    for key, label in (
+        ("bare_1_per_tx", "bare loop, 1/tx"),
+        ("bare_1_per_tx_2conn", "bare loop, 1/tx, 2 conns"),
+        ("bare_100_per_tx", "bare loop, 100/tx"),
+    ):
+        rows.append((f"{label}, items/s", "items/s", at("baseline", key)))
+    rows.append(
+        (
+            "noop (batch 200), RQ 2 workers / bare 100/tx loop",
+            "ratio",
+            quotient(noop2, at("baseline", "bare_100_per_tx")),
+        )
+    )
+    for size in dict.fromkeys([*pg.get("materialize", {}), *maria.get("materialize", {})]):
+        rows.append(
+            (f"materialization {int(size):,} items, items/s", "items/s", at("materialize", size))
+        )
+        rows.append(
+            (
+                f"materialization {int(size):,} items, peak RSS MB",
+                "MB",
+                at("materialize", size, "peak_rss_mb"),
+            )
+        )
+    levels = sorted(
+        int(k) for k in {**pg.get("claims", {}), **maria.get("claims", {})} if k.isdigit()
+    )
+    rows.append(
+        (
+            f"claim p99 at {levels[-1]:,} / at {levels[0]:,} terminal rows"
+            if levels
+            else "claim p99, largest / smallest terminal rows",
+            "ratio",
+            lambda r: median(r.get("claims"), "p99_ratio_largest_to_smallest"),
+        )
+    )
+    for key in dict.fromkeys([*pg.get("pools", {}), *maria.get("pools", {})]):
+        rows.append(
+            (f"pool {key}: share of the limit", "fraction", at("pools", key, "fraction_of_limit"))
+        )
+    return rows
+
+
+def report_mariadb(res: dict[str, Any]) -> list[str]:
+    """Each figure on PostgreSQL and on MariaDB, and MariaDB's over PostgreSQL's."""
+    maria = res.get("mariadb")
+    if maria is None:
+        skipped = any(w.startswith("no MariaDB figures") for w in res.get("warnings", []))
+        return (
+            ["MariaDB beside PostgreSQL: not measured (see the WARNING below)"] if skipped else []
+        )
+    lines = [
+        "MariaDB beside PostgreSQL (the MariaDB pass ran after the PostgreSQL one, on the same "
+        "machine; ratios of items/s above 1: faster on MariaDB)",
+        f"{'':<56}{'PostgreSQL':>12}{'MariaDB':>12}{'MariaDB/PG':>12}",
+    ]
+    for label, unit, get in beside_rows(res, maria):
+        a, b = get(res), get(maria)
+        if a is None and b is None:
+            continue
+        ratio = f"{b / a:.2f}" if a and b is not None and unit != "count" else "-"
+        shown = [("n/a" if x is None else fmt_value(x, unit)) for x in (a, b)]
+        lines.append(f"{label:<56}{shown[0]:>12}{shown[1]:>12}{ratio:>12}")
+    info = maria.get("machine", {})
+    if info.get("mariadb"):
+        lines.append(
+            f"MariaDB {info['mariadb']}, innodb_flush_log_at_trx_commit "
+            f"{info.get('mariadb_flush_log_at_trx_commit')}, sync_binlog "
+            f"{info.get('mariadb_sync_binlog')}; PostgreSQL {res['machine'].get('postgresql')}, "
+            f"synchronous_commit {res['machine'].get('pg_synchronous_commit')}"
+        )
+    met = [t for t in maria.get("targets", []) if t["goal"] != "info" and t["met"] is not None]
+    if met:
+        lines.append(
+            f"MariaDB's own targets: {sum(t['met'] for t in met)} of {len(met)} met "
+            "(the JSON's mariadb.targets)"
+        )
+    return lines
+
+
 def report_targets(res: dict[str, Any]) -> list[str]:
     lines = ["Targets"]
     for t in res.get("targets", []):
@@ -2043,6 +2206,7 @@ def print_report(res: dict[str, Any]) -> None:
         report_claims(res),
         report_pools(res),
         report_targets(res),
+        report_mariadb(res),
     ]
     lines: list[str] = []
     for section in sections:
@@ -2055,7 +2219,15 @@ def print_report(res: dict[str, Any]) -> None:
         lines.append(f"ERROR in {e['phase']}: {text}")
     for w in res.get("warnings", []):
         lines.append(f"WARNING: {w}")
-    lines.append(f"total {res['seconds']:.0f} s")
+    maria = res.get("mariadb") or {}
+    for e in maria.get("errors", []):
+        lines.append(f"ERROR in the MariaDB pass, {e['phase']}: {e['error'].strip()[-800:]}")
+    for w in maria.get("warnings", []):
+        lines.append(f"WARNING in the MariaDB pass: {w}")
+    if maria:
+        lines.append(f"total {res['seconds']:.0f} s, and {maria['seconds']:.0f} s on MariaDB")
+    else:
+        lines.append(f"total {res['seconds']:.0f} s")
     print("\n".join(lines))
 
 
@@ -2104,18 +2276,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="terminal rows for the claim cost (default 10000,100000,1000000)",
     )
     p.add_argument(
+        "--no-mariadb",
+        action="store_true",
+        help="skip the MariaDB pass (by default it follows the PostgreSQL one when the mysql "
+        "driver imports and the server answers)",
+    )
+    p.add_argument(
         "--mariadb-url",
         default=MARIADB_URL,
         metavar="URL",
-        help="the database of --database mariadb (default MARIADB_URL, else "
+        help="MariaDB's bench database (default MARIADB_URL, else "
         "mysql://root@127.0.0.1:3306/fanout_bench)",
     )
     p.add_argument(
         "--database",
         choices=("postgresql", "mariadb"),
         default=None,
-        help="the server to run on: postgresql (DATABASE_URL, the default) or mariadb "
-        "(--mariadb-url)",
+        help="run on this server alone: postgresql (DATABASE_URL) or mariadb (--mariadb-url); "
+        "by default PostgreSQL, then the MariaDB pass",
     )
     p.add_argument("--child-materialize", type=int, help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
@@ -2149,6 +2327,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown phases: {', '.join(sorted(unknown))}")
     return cfg
+
+
+def mariadb_pass(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Run this script again on MariaDB, the same phases with the same sizes; its results go
+    under res["mariadb"]. A separate process, because Django binds its database at setup. An
+    unreachable server is a warning: the PostgreSQL figures stand alone."""
+    phases = cfg.phases
+    why = mariadb_unavailable(cfg.mariadb_url)
+    if why:
+        res["warnings"].append(f"no MariaDB figures: {why}; --no-mariadb skips the MariaDB pass")
+        log(f"warning: {res['warnings'][-1]}")
+        return
+    fd, name = tempfile.mkstemp(prefix="fanout-bench-mariadb-", suffix=".json")
+    os.close(fd)
+    out = Path(name)
+    sizes = lambda xs: ",".join(str(x) for x in xs)  # noqa: E731
+    cmd = [
+        sys.executable,
+        str(HERE / "run.py"),
+        "--database",
+        "mariadb",
+        "--only",
+        ",".join(phases),
+        "--json",
+        str(out),
+        "--items",
+        str(cfg.items),
+        "--repeats",
+        str(cfg.repeats),
+        "--materialize",
+        sizes(cfg.materialize_sizes),
+        "--claim-levels",
+        sizes(cfg.claim_levels),
+        *(["--quick"] if cfg.quick else []),
+    ]
+    # The URL goes by the environment, where a password is not shown to other users.
+    env = {**os.environ, "MARIADB_URL": cfg.mariadb_url, "FANOUT_BENCH_LOG_PREFIX": "mariadb: "}
+    log(f"MariaDB pass: {', '.join(phases)} (its report follows on stderr)")
+    sys.stderr.flush()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=sys.stderr,  # its own report joins the log; ours keeps stdout
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    _children.append(proc)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:  # the PostgreSQL figures are still written
+        log("MariaDB pass interrupted")
+    finally:
+        _stop_process(proc)
+        _children.remove(proc)
+    try:
+        res["mariadb"] = json.loads(out.read_text())
+    except (OSError, ValueError):
+        res["errors"].append(
+            {
+                "phase": "mariadb",
+                "error": f"the MariaDB pass exited with {proc.returncode} and wrote no results "
+                "(its log is above)",
+            }
+        )
+    finally:
+        out.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2187,6 +2432,7 @@ def main(argv: list[str] | None = None) -> int:
                 "only",
                 "child_materialize",
                 "materialize",
+                "no_mariadb",
                 "mariadb_url",
                 "database",
             )
@@ -2206,6 +2452,7 @@ def main(argv: list[str] | None = None) -> int:
         "pools": lambda: phase_pools(cfg, logdir),
     }
     digest = res["machine"]["fanout_code_digest"] = code_digest()
+    interrupted = False
     try:
         for phase in PHASES:
             if phase not in cfg.phases:
@@ -2226,6 +2473,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["errors"].append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"})
                 log(f"phase {phase} failed: {type(exc).__name__}: {exc}")
                 if isinstance(exc, KeyboardInterrupt):
+                    interrupted = True
                     break
                 _stop_all_children()
                 from django.db import connection
@@ -2246,12 +2494,14 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.monotonic() - started
     res["machine"]["loadavg_end"] = os.getloadavg()
     res["targets"] = targets(res)
+    if not is_mariadb() and cfg.database is None and not cfg.no_mariadb and not interrupted:
+        mariadb_pass(cfg, res)
     path = Path(cfg.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     print_report(res)
     print(f"\nJSON written to {path}; worker logs in {logdir}")
-    return 1 if res["errors"] else 0
+    return 1 if res["errors"] or res.get("mariadb", {}).get("errors") else 0
 
 
 if __name__ == "__main__":
