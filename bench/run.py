@@ -1,14 +1,19 @@
 #!/usr/bin/env python
 """Benchmark of fanout on PostgreSQL and Redis: per-item commit against a bare psycopg loop,
 batched throughput, materialization, claim cost and pool-limited runs, in one invocation (see
-bench/README.md).
+bench/README.md); then the same phases on MariaDB, printed beside.
 
     .venv/bin/python bench/run.py [--items N] [--repeats R] [--quick] [--json PATH]
+                                  [--no-mariadb] [--mariadb-url URL] [--database mariadb]
 
 It uses its own database (DATABASE_URL, default postgres://root@127.0.0.1:5432/fanout_bench,
 created and migrated if missing) and its own Redis database (REDIS_URL, default
 redis://127.0.0.1:6379/6): it empties both, so it refuses a database whose name lacks "bench"
 and Redis database 0. RQ workers are started as subprocesses and always stopped.
+
+The MariaDB pass is this script run again (--database mariadb) on MARIADB_URL, default
+mysql://root@127.0.0.1:3306/fanout_bench, under the same rules; its JSON lands under "mariadb".
+It is skipped, with a warning, when MySQLdb does not import or the server does not answer.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 os.environ.setdefault("DATABASE_URL", "postgres://root@127.0.0.1:5432/fanout_bench")
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/6")
 os.environ.setdefault("FANOUT_BENCH_BATCH", "200")
+MARIADB_URL = os.environ.get("MARIADB_URL") or "mysql://root@127.0.0.1:3306/fanout_bench"
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -225,7 +231,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    # The MariaDB pass's lines say so: they are interleaved with the main invocation's.
+    prefix = os.environ.get("FANOUT_BENCH_LOG_PREFIX", "")
+    print(f"[{time.strftime('%H:%M:%S')}] {prefix}{msg}", file=sys.stderr, flush=True)
 
 
 class Retry(Exception):
@@ -233,16 +241,17 @@ class Retry(Exception):
 
 
 def db_errors() -> tuple[type[BaseException], ...]:
-    import psycopg
     from django.db import InterfaceError, OperationalError
 
-    return (
-        Retry,
-        OperationalError,
-        InterfaceError,
-        psycopg.OperationalError,
-        psycopg.InterfaceError,
-    )
+    errors: list[type[BaseException]] = [Retry, OperationalError, InterfaceError]
+    # The bare loops speak the driver directly; either driver may be missing.
+    for driver in ("psycopg", "MySQLdb"):
+        try:
+            module = __import__(driver)
+        except ImportError:
+            continue
+        errors += [module.OperationalError, module.InterfaceError]
+    return tuple(errors)
 
 
 def wait_for_database(timeout: float = 180.0) -> None:
@@ -284,6 +293,48 @@ def db_settings() -> dict[str, Any]:
     return settings.DATABASES["default"]
 
 
+def is_mariadb() -> bool:
+    return db_settings()["ENGINE"] == "django.db.backends.mysql"
+
+
+def server_name() -> str:
+    return "MariaDB" if is_mariadb() else "PostgreSQL"
+
+
+def server_cpu_field() -> str:
+    return "mariadb_cpu_ms_per_item" if is_mariadb() else "postgres_cpu_ms_per_item"
+
+
+def cpu_fields() -> tuple[str, ...]:
+    return ("cpu_ms_per_item", server_cpu_field(), "our_cores", "busy_cores")
+
+
+def mysql_connect(cfg: dict[str, Any] | None = None, dbname: str | None = None) -> Any:
+    """A MySQLdb connection from Django-style settings (default: the bench database's)."""
+    import MySQLdb
+
+    cfg = cfg or db_settings()
+    kwargs: dict[str, Any] = {
+        "host": cfg.get("HOST") or "127.0.0.1",
+        "port": int(cfg.get("PORT") or 3306),
+        "user": cfg.get("USER") or "root",
+        "password": cfg.get("PASSWORD") or "",
+        "charset": "utf8mb4",
+        "connect_timeout": 5,
+    }
+    if dbname:
+        kwargs["database"] = dbname
+    return MySQLdb.connect(**kwargs)
+
+
+def refuse_unless_bench(name: str) -> None:
+    if "bench" not in name:
+        raise SystemExit(
+            f"refusing to run against database {name!r}: the benchmark empties its tables; "
+            "use a database whose name contains 'bench'"
+        )
+
+
 def conninfo(dbname: str | None = None) -> str:
     cfg = db_settings()
     parts = {
@@ -298,23 +349,60 @@ def conninfo(dbname: str | None = None) -> str:
 
 def ensure_database(recreate: bool = False) -> None:
     """Create the bench database if it is missing (before Django connects to it), or afresh."""
+    cfg = db_settings()
+    if is_mariadb():
+        ensure_mariadb_database(cfg, recreate)
+        return
+    if cfg["ENGINE"] != "django.db.backends.postgresql":
+        raise SystemExit(
+            "the benchmark needs PostgreSQL or MariaDB: set DATABASE_URL=postgres://... "
+            "or mysql://..."
+        )
     import psycopg
 
-    cfg = db_settings()
-    if cfg["ENGINE"] != "django.db.backends.postgresql":
-        raise SystemExit("the benchmark needs PostgreSQL: set DATABASE_URL=postgres://...")
     name = cfg["NAME"]
-    if "bench" not in name:
-        raise SystemExit(
-            f"refusing to run against database {name!r}: the benchmark empties its tables; "
-            "use a database whose name contains 'bench'"
-        )
+    refuse_unless_bench(name)
     with psycopg.connect(conninfo("postgres"), autocommit=True) as conn:
         if recreate:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             conn.execute(f'CREATE DATABASE "{name}"')
             log(f"created database {name}")
+
+
+def ensure_mariadb_database(cfg: dict[str, Any], recreate: bool) -> None:
+    name = cfg["NAME"]
+    refuse_unless_bench(name)
+    if not name.replace("_", "").isalnum():  # it is spliced into the statements below
+        raise SystemExit(f"refusing database name {name!r}: use letters, digits and _")
+    conn = mysql_connect(cfg)
+    try:
+        cur = conn.cursor()
+        if recreate:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        if not cur.execute("SHOW DATABASES LIKE %s", (name,)):
+            cur.execute(f"CREATE DATABASE IF NOT EXISTS `{name}` CHARACTER SET utf8mb4")
+            log(f"created database {name}")
+    finally:
+        conn.close()
+
+
+def mariadb_unavailable(url: str) -> str | None:
+    """Why the MariaDB pass cannot run (no driver, no server), or None if it can."""
+    import dj_database_url
+
+    try:
+        import MySQLdb  # noqa: F401
+    except ImportError as exc:
+        return f"the mysql driver does not import ({exc}; install the mysql extra)"
+    cfg = dj_database_url.parse(url)
+    if cfg["ENGINE"] != "django.db.backends.mysql":
+        return "its URL is no mysql:// URL"  # not shown: it may hold a password
+    try:
+        mysql_connect(cfg).close()
+    except Exception as exc:
+        return f"the server at {cfg.get('HOST')}:{cfg.get('PORT')} does not answer: {exc}"
+    return None
 
 
 def migrate() -> None:
@@ -351,6 +439,9 @@ def reset_redis() -> None:
 def reset_tables() -> None:
     from django.db import connection
 
+    if is_mariadb():
+        reset_mariadb_tables()
+        return
     with connection.cursor() as cur:
         # Every table of fanout's, read from the database: a migration may add one mid-run.
         cur.execute(
@@ -362,10 +453,37 @@ def reset_tables() -> None:
         cur.execute(f"TRUNCATE {tables}")
 
 
+def reset_mariadb_tables() -> None:
+    """TRUNCATE every fanout table (DELETE of a million rows takes minutes), then set each
+    AUTO_INCREMENT back to where it was: MariaDB's TRUNCATE restarts ids, and ids must keep
+    counting up, as on PostgreSQL."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT table_name, auto_increment FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name LIKE 'fanout\\_%'"
+        )
+        tables = cur.fetchall()
+        # A worker's open transaction would hold TRUNCATE forever (the default is a year).
+        cur.execute("SET SESSION lock_wait_timeout = 60, SESSION foreign_key_checks = 0")
+        try:
+            for name, next_id in tables:
+                cur.execute(f"TRUNCATE TABLE `{name}`")
+                if next_id:
+                    cur.execute(f"ALTER TABLE `{name}` AUTO_INCREMENT = {int(next_id)}")
+        finally:
+            cur.execute("SET SESSION foreign_key_checks = 1")
+
+
 def analyze() -> None:
     from django.db import connection
 
     with connection.cursor() as cur:
+        if is_mariadb():
+            cur.execute("ANALYZE TABLE fanout_itemclaim, fanout_batchrun")
+            cur.fetchall()
+            return
         cur.execute("ANALYZE fanout_itemclaim")
         cur.execute("ANALYZE fanout_batchrun")
 
@@ -387,9 +505,18 @@ def process_cpu(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / CLK_TCK if f else 0.0
 
 
+def thread_cpu(tid: int) -> float:
+    """CPU seconds of one thread: /proc/TID/stat would give its whole process's."""
+    f = _stat_fields(f"{tid}/task/{tid}")
+    return (int(f[11]) + int(f[12])) / CLK_TCK if f else 0.0
+
+
 def our_backends() -> dict[int, float]:
     """CPU seconds of each PostgreSQL backend connected to the bench database (by its process
-    title, "postgres: ... USER DBNAME HOST(PORT) STATE"): other users' databases left out."""
+    title, "postgres: ... USER DBNAME HOST(PORT) STATE"): other users' databases left out.
+    On MariaDB, of each connection thread on the bench database."""
+    if is_mariadb():
+        return {tid: thread_cpu(tid) for tid in mariadb_threads()}
     name = f" {db_settings()['NAME']} "
     found: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
@@ -408,6 +535,40 @@ def our_backends() -> dict[int, float]:
     return found
 
 
+def mariadb_threads() -> list[int]:
+    """Linux thread ids of the MariaDB connections on the bench database (MariaDB runs one
+    thread per connection and shows its id in PROCESSLIST.TID). Asked on a connection of no
+    database, so that it does not count itself."""
+    conn = mysql_connect()
+    try:
+        cur = conn.cursor()
+        cur.execute(
+            "SELECT tid FROM information_schema.processlist WHERE db = %s AND tid IS NOT NULL",
+            (db_settings()["NAME"],),
+        )
+        return [int(row[0]) for row in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+def mariadb_all_threads() -> dict[int, float]:
+    """CPU seconds of every thread of this host's MariaDB server: a connection thread is
+    reused after its connection closes, so a thread first seen mid-run counts from here."""
+    found: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() not in ("mariadbd", "mysqld"):
+                continue
+            tasks = list((entry / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            found[int(task.name)] = thread_cpu(int(task.name))
+    return found
+
+
 def machine_busy() -> float:
     """CPU seconds the whole machine spent busy (not idle, not waiting on I/O)."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -418,15 +579,25 @@ class Usage:
     """Where the CPU went while ``n`` items ran: in the given processes (the workers, or this
     one), in the PostgreSQL backends of the bench database, and machine-wide (other users'
     load included). Backends come and go with drain jobs: the known ones are read every 0.1 s
-    (each one's last figure counts), and new ones looked for every 0.5 s."""
+    (each one's last figure counts), and new ones looked for every 0.5 s.
+
+    On MariaDB the backends are connection threads, which outlive their connections and may
+    serve another database next: a thread is read only while it serves the bench database,
+    from its figure when the measurement started."""
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.started = time.monotonic()
         self.cpu = sum(process_cpu(pid) for pid in pids)
         self.busy = machine_busy()
-        self.base = our_backends()
-        self.seen = dict(self.base)
+        self.mariadb = is_mariadb()
+        if self.mariadb:
+            self.base = mariadb_all_threads()
+            self.seen = our_backends()
+        else:
+            self.base = our_backends()
+            self.seen = dict(self.base)
+        self.live = set(self.seen)
         self.done = threading.Event()
         self.watcher = threading.Thread(target=self._watch, daemon=True)
         self.watcher.start()
@@ -436,21 +607,34 @@ class Usage:
         while not self.done.wait(0.1):
             ticks += 1
             if ticks % 5 == 0:
-                self.seen.update(our_backends())
+                self._look()
                 continue
-            for pid in list(self.seen):
-                cpu = process_cpu(pid)
+            for pid in list(self.live):
+                cpu = thread_cpu(pid) if self.mariadb else process_cpu(pid)
                 if cpu:  # 0 once it has exited: keep its last figure
                     self.seen[pid] = max(cpu, self.seen[pid])
+
+    def _look(self) -> None:
+        try:
+            found = our_backends()
+        except db_errors():  # MariaDB went away: the measurement's own queries will say so
+            return
+        if self.mariadb:
+            for tid, cpu in found.items():
+                self.seen[tid] = max(cpu, self.seen.get(tid, 0.0))
+            self.live = set(found)
+        else:
+            self.seen.update(found)
+            self.live = set(self.seen)
 
     def stop(self) -> None:
         self.done.set()
         self.watcher.join()
 
     def per_item(self, n: int, postgres: float | None = None) -> dict[str, float]:
-        """Per item of ``n``; ``postgres``: the backends' CPU seconds, when known exactly."""
+        """Per item of ``n``; ``postgres``: the server's CPU seconds, when known exactly."""
         self.stop()  # once more is harmless
-        self.seen.update(our_backends())
+        self._look()
         wall = time.monotonic() - self.started
         ours = sum(process_cpu(pid) for pid in self.pids) - self.cpu
         pg = sum(cpu - self.base.get(pid, 0.0) for pid, cpu in self.seen.items())
@@ -459,7 +643,7 @@ class Usage:
         wall = max(wall, 1e-9)
         return {
             "cpu_ms_per_item": ours * 1000 / n,
-            "postgres_cpu_ms_per_item": pg * 1000 / n,
+            server_cpu_field(): pg * 1000 / n,
             "our_cores": (ours + pg) / wall,
             "busy_cores": (machine_busy() - self.busy) / wall,
         }
@@ -516,18 +700,35 @@ def machine() -> dict[str, Any]:
         from django.db import connection
 
         with connection.cursor() as cur:
-            cur.execute("SHOW server_version")
-            info["postgresql"] = cur.fetchone()[0]
-            for setting in ("synchronous_commit", "shared_buffers", "fsync"):
-                cur.execute(f"SHOW {setting}")
-                info[f"pg_{setting}"] = cur.fetchone()[0]
+            if is_mariadb():
+                # What decides a commit's cost: the redo log's flush, the binary log's sync.
+                cur.execute(
+                    "SELECT VERSION(), @@innodb_flush_log_at_trx_commit, @@sync_binlog, "
+                    "@@log_bin, @@innodb_buffer_pool_size"
+                )
+                row = cur.fetchone()
+                keys = ("flush_log_at_trx_commit", "sync_binlog", "log_bin", "buffer_pool_size")
+                info["mariadb"] = row[0]
+                info.update({f"mariadb_{k}": v for k, v in zip(keys, row[1:], strict=True)})
+            else:
+                cur.execute("SHOW server_version")
+                info["postgresql"] = cur.fetchone()[0]
+                for setting in ("synchronous_commit", "shared_buffers", "fsync"):
+                    cur.execute(f"SHOW {setting}")
+                    info[f"pg_{setting}"] = cur.fetchone()[0]
         info["redis"] = redis_conn().info("server").get("redis_version")
         import django
-        import psycopg
         import rq
 
         info["django"] = django.get_version()
-        info["psycopg"] = psycopg.__version__
+        if is_mariadb():
+            import MySQLdb
+
+            info["mysqlclient"] = ".".join(str(x) for x in MySQLdb.version_info[:3])
+        else:
+            import psycopg
+
+            info["psycopg"] = psycopg.__version__
         info["rq"] = rq.__version__
     except Exception as exc:  # informational only
         info["error"] = str(exc)
@@ -539,11 +740,9 @@ def machine() -> dict[str, Any]:
 
 def db_time() -> datetime:
     """The database server's time: fanout writes runs' started_at and finished_at by it."""
-    from django.db import connection
+    from fanout.clock import db_now
 
-    with connection.cursor() as cur:
-        cur.execute("SELECT clock_timestamp()")
-        return cur.fetchone()[0]
+    return db_now()
 
 
 def wait_run(run_id: int, timeout: float, workers: Workers | None = None) -> Any:
@@ -631,11 +830,8 @@ def run_entry(
         "seconds": stats([s["seconds"] for s in samples]),
         "materialize_s": stats([s["materialize_s"] for s in samples]),
         "drain_and_join_s": stats([s["drain_and_join_s"] for s in samples]),
-        **{k: stats([s[k] for s in samples]) for k in CPU_FIELDS},
+        **{k: stats([s[k] for s in samples]) for k in cpu_fields()},
     }
-
-
-CPU_FIELDS = ("cpu_ms_per_item", "postgres_cpu_ms_per_item", "our_cores", "busy_cores")
 
 
 def warm_up(pool: Workers) -> None:
@@ -647,8 +843,8 @@ def logged(key: str, n: int, res: dict[str, Any], r: int) -> None:
     log(
         f"  {key} #{r + 1}: {n} items in {res['seconds']:.2f} s = "
         f"{res['items_per_s']:,.0f}/s (materialize {res['materialize_s']:.2f} s; CPU per item: "
-        f"{res['cpu_ms_per_item']:.2f} ms client, {res['postgres_cpu_ms_per_item']:.2f} ms "
-        f"PostgreSQL; cores: {res['our_cores']:.2f} ours, {res['busy_cores']:.2f} busy)"
+        f"{res['cpu_ms_per_item']:.2f} ms client, {res[server_cpu_field()]:.2f} ms "
+        f"{server_name()}; cores: {res['our_cores']:.2f} ours, {res['busy_cores']:.2f} busy)"
     )
 
 
@@ -723,7 +919,7 @@ def phase_per_item(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
             "batch": 1,
             "connections": 2,
             "transactions_per_item": 2,
-            **{k: stats([s[k] for s in bare]) for k in ("items_per_s", "seconds", *CPU_FIELDS)},
+            **{k: stats([s[k] for s in bare]) for k in ("items_per_s", "seconds", *cpu_fields())},
         },
         "per_item_commit/rq1": run_entry(
             "bench.noop_each", cfg.each_items, "rq", 1, [f["rq1"] for f in repeats]
@@ -818,6 +1014,9 @@ CREATE INDEX bench_bare_pending ON bench_bare (run_id, index) WHERE status = 'pe
 
 
 def bare_fill(n: int) -> None:
+    if is_mariadb():
+        bare_fill_mariadb(n)
+        return
     import psycopg
 
     with psycopg.connect(conninfo(), autocommit=True) as conn:
@@ -841,6 +1040,8 @@ def bare_loop(batch: int, two_tx: bool = False, backend_cpu: list[float] | None 
     with ``two_tx``, mark them running (owner, lease) in the claim's transaction and done in a
     second one, as claim durably, run, record needs. The connection's backend adds the CPU
     it used to ``backend_cpu`` before it closes."""
+    if is_mariadb():
+        return bare_loop_mariadb(batch, two_tx, backend_cpu)
     import psycopg
 
     owner = f"bare-{threading.get_ident()}"
@@ -876,6 +1077,98 @@ def bare_loop(batch: int, two_tx: bool = False, backend_cpu: list[float] | None 
             done += len(rows)
 
 
+# The same table on MariaDB. No partial index there: the composite one that fanout's own claim
+# uses on MariaDB (run, status, index).
+BARE_DDL_MARIADB = (
+    "DROP TABLE IF EXISTS bench_bare",
+    """CREATE TABLE bench_bare (
+    id bigint AUTO_INCREMENT PRIMARY KEY,
+    run_id integer NOT NULL,
+    `key` varchar(255) NOT NULL,
+    `index` integer NOT NULL,
+    payload json,
+    status varchar(16) NOT NULL DEFAULT 'pending',
+    owner varchar(255) NOT NULL DEFAULT '',
+    claimed_at datetime(6),
+    lease_expires_at datetime(6),
+    finished_at datetime(6),
+    UNIQUE (run_id, `key`),
+    KEY bench_bare_pending (run_id, status, `index`)
+) ENGINE=InnoDB""",
+)
+
+CLAIM_SQL_MARIADB = (
+    "SELECT id, payload FROM bench_bare WHERE run_id = 1 AND status = 'pending' "
+    "ORDER BY `index` LIMIT %s FOR UPDATE SKIP LOCKED"
+)
+
+
+def bare_fill_mariadb(n: int) -> None:
+    conn = mysql_connect(dbname=db_settings()["NAME"])
+    try:
+        cur = conn.cursor()
+        for statement in BARE_DDL_MARIADB:
+            cur.execute(statement)
+        sql = "INSERT INTO bench_bare (run_id, `key`, `index`, payload) VALUES (1, %s, %s, %s)"
+        for start in range(0, n, 1000):  # MySQLdb sends each chunk as one multi-row INSERT
+            rows = [(str(g), g, json.dumps({"n": g})) for g in range(start, min(n, start + 1000))]
+            cur.executemany(sql, rows)
+        conn.commit()
+        cur.execute("ANALYZE TABLE bench_bare")
+        cur.fetchall()
+    finally:
+        conn.close()
+
+
+def bare_loop_mariadb(batch: int, two_tx: bool, backend_cpu: list[float] | None) -> int:
+    """bare_loop with MySQLdb: the same statements, at READ COMMITTED as Django runs fanout on
+    MariaDB. The connection's thread outlives it (MariaDB caches threads), so its CPU is read
+    at the start and at the end."""
+    owner = f"bare-{threading.get_ident()}"
+    done = 0
+    conn = mysql_connect(dbname=db_settings()["NAME"])
+    try:
+        cur = conn.cursor()
+        cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        cur.execute("SELECT tid FROM information_schema.processlist WHERE id = CONNECTION_ID()")
+        tid = int(cur.fetchone()[0])
+        conn.commit()
+        cpu_before = thread_cpu(tid)
+        while True:
+            cur.execute(CLAIM_SQL_MARIADB, (batch,))
+            rows = cur.fetchall()
+            if not rows:
+                conn.commit()
+                if backend_cpu is not None:
+                    backend_cpu.append(thread_cpu(tid) - cpu_before)
+                return done
+            ids = [r[0] for r in rows]
+            marks = ", ".join(["%s"] * len(ids))
+            if two_tx:
+                cur.execute(
+                    "UPDATE bench_bare SET status = 'running', owner = %s, claimed_at = NOW(6), "
+                    f"lease_expires_at = NOW(6) + INTERVAL 30 SECOND WHERE id IN ({marks})",
+                    (owner, *ids),
+                )
+            else:
+                cur.execute(
+                    "UPDATE bench_bare SET status = 'succeeded', finished_at = NOW(6) "
+                    f"WHERE id IN ({marks})",
+                    ids,
+                )
+            conn.commit()
+            if two_tx:
+                cur.execute(
+                    "UPDATE bench_bare SET status = 'succeeded', finished_at = NOW(6) "
+                    f"WHERE id IN ({marks}) AND owner = %s",
+                    (*ids, owner),
+                )
+                conn.commit()
+            done += len(rows)
+    finally:
+        conn.close()
+
+
 def bare_once(n: int, batch: int, conns: int, two_tx: bool = False) -> dict[str, float]:
     """Fill the bare table with ``n`` rows, drain it with ``conns`` loops; return the seconds
     and where the CPU went."""
@@ -908,6 +1201,13 @@ def bare_once(n: int, batch: int, conns: int, two_tx: bool = False) -> dict[str,
 
 
 def drop_bare() -> None:
+    if is_mariadb():
+        conn = mysql_connect(dbname=db_settings()["NAME"])
+        try:
+            conn.cursor().execute("DROP TABLE IF EXISTS bench_bare")
+        finally:
+            conn.close()
+        return
     import psycopg
 
     with psycopg.connect(conninfo(), autocommit=True) as conn:
@@ -936,7 +1236,9 @@ def phase_baseline(cfg: argparse.Namespace) -> dict[str, Any]:
             "batch": batch,
             "connections": conns,
             "transactions_per_item": 1 / batch,
-            **{k: stats([s[k] for s in samples]) for k in ("items_per_s", "seconds", *CPU_FIELDS)},
+            **{
+                k: stats([s[k] for s in samples]) for k in ("items_per_s", "seconds", *cpu_fields())
+            },
         }
     drop_bare()
     return out
@@ -1067,13 +1369,18 @@ def add_terminal_rows(total: int) -> None:
     with connection.cursor() as cur:
         for i in range(0, len(runs), 10):
             ids = [run.pk for run in runs[i : i + 10]]
-            cur.execute(sql, [*constants, ids, FILLER_PER_RUN - 1])
+            if is_mariadb():
+                cur.execute(sql.format(ids=", ".join(["%s"] * len(ids))), [*constants, *ids])
+            else:
+                cur.execute(sql, [*constants, ids, FILLER_PER_RUN - 1])
     analyze()
 
 
 def filler_insert() -> tuple[str, list[Any]]:
     """``INSERT … SELECT`` of succeeded items, 10,000 per run of ``unnest(%s)``: every column of
-    the model, so that a column fanout adds gets its default (as ``save()`` would give it)."""
+    the model, so that a column fanout adds gets its default (as ``save()`` would give it).
+    On MariaDB the SEQUENCE engine's ``seq_0_to_N`` stands in for ``generate_series``, and the
+    runs are ``{ids}``, to be formatted with as many placeholders as runs."""
     from django.db import connection
     from django.db.models.expressions import DatabaseDefault
     from django.utils import timezone
@@ -1102,6 +1409,14 @@ def filler_insert() -> tuple[str, list[Any]]:
         "payload": "jsonb_build_object('n', g)",
         "result": "'null'::jsonb",
     }
+    if is_mariadb():
+        varying = {
+            "run": "r.id",
+            "key": "CAST(g.seq AS CHAR)",
+            "index": "g.seq",
+            "payload": "JSON_OBJECT('n', g.seq)",
+            "result": "'null'",
+        }
     columns, values, constants = [], [], []
     for field in ItemClaim._meta.concrete_fields:
         value = getattr(template, field.attname)
@@ -1117,6 +1432,12 @@ def filler_insert() -> tuple[str, list[Any]]:
         f"INSERT INTO {ItemClaim._meta.db_table} ({', '.join(columns)}) "
         f"SELECT {', '.join(values)} FROM unnest(%s::bigint[]) r, generate_series(0, %s) g"
     )
+    if is_mariadb():
+        sql = (
+            f"INSERT INTO {ItemClaim._meta.db_table} ({', '.join(columns)}) "
+            f"SELECT {', '.join(values)} FROM fanout_batchrun r "
+            f"JOIN seq_0_to_{FILLER_PER_RUN - 1} g WHERE r.id IN ({{ids}})"
+        )
     return sql, constants
 
 
@@ -1544,6 +1865,8 @@ def fmt_value(v: Any, unit: str) -> str:
         return "yes" if v else "NO"
     if unit == "fraction":
         return f"{v:.1%}"
+    if unit == "count":
+        return f"{v:,}"
     if unit in ("items/s", "MB") and v >= 100:
         return f"{v:,.0f}"
     return f"{v:,.2f}"
@@ -1555,16 +1878,26 @@ def cores(entry: dict[str, Any]) -> str:
     return "-" if ours is None or busy is None else f"{ours:.2f}/{busy:.2f}"
 
 
+def on_mariadb(res: dict[str, Any]) -> bool:
+    return res.get("database") == "mariadb"
+
+
+def result_cpu_fields(res: dict[str, Any]) -> tuple[str, ...]:
+    server = "mariadb" if on_mariadb(res) else "postgres"
+    return ("cpu_ms_per_item", f"{server}_cpu_ms_per_item", "our_cores", "busy_cores")
+
+
 def report_per_item(res: dict[str, Any]) -> list[str]:
     pi = res.get("per_item", {})
     if not pi:
         return []
     bare = median(pi.get("bare_2tx_2conn"))
+    server = "DB CPU" if on_mariadb(res) else "PG CPU"
     lines = [
         "1. Per-item commit (batch_size unset = 1), RQ workers with FANOUT_WORKER_THREADS="
         f"{pi['worker_threads']} and default drain jobs, start → join; bare loop beside it",
         f"{'':<44}{'items':>7}{'items/s':>9}{'min–max':>14}{'÷2-tx':>7}"
-        f"{'client CPU':>11}{'PG CPU':>8}{'cores':>11}",
+        f"{'client CPU':>11}{server:>8}{'cores':>11}",
         f"{'':<44}{'':>7}{'':>9}{'':>14}{'':>7}{'ms/item':>11}{'ms/item':>8}{'ours/busy':>11}",
     ]
     rows = [
@@ -1576,7 +1909,7 @@ def report_per_item(res: dict[str, Any]) -> list[str]:
     for label, v in rows:
         s = v["items_per_s"]
         ratio = "-" if not bare or label.startswith("20 ms") else f"{s['median'] / bare:.2f}"
-        client, pg = (median(v, k) for k in CPU_FIELDS[:2])
+        client, pg = (median(v, k) for k in result_cpu_fields(res)[:2])
         shown = [f"{x:.2f}" if x is not None else "-" for x in (client, pg)]
         lines.append(
             f"{label:<44}{v['items']:>7,}{fmt_rate(s['median']):>9}{fmt_span(s):>14}{ratio:>7}"
@@ -1612,7 +1945,7 @@ def report_throughput(res: dict[str, Any]) -> list[str]:
 
     lines = [
         f"2. Batched throughput, start → join (median of {res['config']['repeats']}), "
-        "and the bare psycopg claim loops",
+        f"and the bare {'MySQLdb' if on_mariadb(res) else 'psycopg'} claim loops",
         f"{'':<44}{'items':>9}{'items/s':>10}{'min–max':>18}{'÷2-tx':>8}{'÷bare100':>9}"
         f"{'cores ours/busy':>17}",
     ]
@@ -1711,6 +2044,148 @@ def report_pools(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def beside_rows(pg: dict[str, Any], maria: dict[str, Any]) -> list[tuple[str, str, Callable]]:
+    """(label, unit, value of one pass's results) for every figure the two passes share."""
+
+    def at(phase: str, key: str, field: str = "items_per_s") -> Callable:
+        return lambda r: median(r.get(phase, {}).get(key), field)
+
+    def quotient(a: Callable, b: Callable) -> Callable:
+        return lambda r: a(r) / b(r) if a(r) and b(r) else None
+
+    def server_cpu(r: dict[str, Any]) -> float | None:
+        return at("per_item", "per_item_commit/rq2", result_cpu_fields(r)[1])(r)
+
+    rq1, rq2 = at("per_item", "per_item_commit/rq1"), at("per_item", "per_item_commit/rq2")
+    rows: list[tuple[str, str, Callable]] = [
+        ("per-item commit, RQ 1 worker, items/s", "items/s", rq1),
+        ("per-item commit, RQ 2 workers, items/s", "items/s", rq2),
+        ("bare 2-tx loop, 2 connections, items/s", "items/s", at("per_item", "bare_2tx_2conn")),
+        (
+            "per-item commit, RQ 2 workers / bare 2-tx loop",
+            "ratio",
+            lambda r: median(r.get("per_item"), "ratio_rq2_to_bare_2tx_2conn"),
+        ),
+        (
+            "per-item commit, RQ 2 workers / RQ 1 worker",
+            "ratio",
+            lambda r: median(r.get("per_item"), "ratio_rq2_to_rq1"),
+        ),
+        (
+            "per-item commit, RQ 2 workers: client CPU ms/item",
+            "ms",
+            at("per_item", "per_item_commit/rq2", "cpu_ms_per_item"),
+        ),
+        ("per-item commit, RQ 2 workers: server CPU ms/item", "ms", server_cpu),
+        (
+            "20 ms, max_parallel 16, RQ 2 workers, items/s",
+            "items/s",
+            at("per_item", "sleep20ms/rq2"),
+        ),
+        (
+            "20 ms, max_parallel 16, RQ 2 workers: share of 800/s",
+            "fraction",
+            at("per_item", "sleep20ms/rq2", "fraction_of_limit"),
+        ),
+        (
+            "20 ms, max_parallel 16: most handlers at once",
+            "count",
+            lambda r: r.get("per_item", {}).get("sleep20ms/rq2", {}).get("max_in_flight"),
+        ),
+    ]
+    for key in dict.fromkeys([*pg.get("throughput", {}), *maria.get("throughput", {})]):
+        v = pg.get("throughput", {}).get(key) or maria["throughput"][key]
+        label, plural = key.split("/")[0], "s" if v["workers"] > 1 else ""
+        who = (
+            f"RQ {v['workers']} worker{plural}"
+            if v["executor"] == "rq"
+            else f"inline {v['workers']} thread{plural}"
+        )
+        rows.append(
+            (f"{label} (batch {v['batch_size']}), {who}, items/s", "items/s", at("throughput", key))
+        )
+    noop1, noop2 = at("throughput", "noop/rq1"), at("throughput", "noop/rq2")
+    rows.append(("noop (batch 200), RQ 2 workers / RQ 1 worker", "ratio", quotient(noop2, noop1)))
+    for key, label in (
+        ("bare_1_per_tx", "bare loop, 1/tx"),
+        ("bare_1_per_tx_2conn", "bare loop, 1/tx, 2 conns"),
+        ("bare_100_per_tx", "bare loop, 100/tx"),
+    ):
+        rows.append((f"{label}, items/s", "items/s", at("baseline", key)))
+    rows.append(
+        (
+            "noop (batch 200), RQ 2 workers / bare 100/tx loop",
+            "ratio",
+            quotient(noop2, at("baseline", "bare_100_per_tx")),
+        )
+    )
+    for size in dict.fromkeys([*pg.get("materialize", {}), *maria.get("materialize", {})]):
+        rows.append(
+            (f"materialization {int(size):,} items, items/s", "items/s", at("materialize", size))
+        )
+        rows.append(
+            (
+                f"materialization {int(size):,} items, peak RSS MB",
+                "MB",
+                at("materialize", size, "peak_rss_mb"),
+            )
+        )
+    levels = sorted(
+        int(k) for k in {**pg.get("claims", {}), **maria.get("claims", {})} if k.isdigit()
+    )
+    rows.append(
+        (
+            f"claim p99 at {levels[-1]:,} / at {levels[0]:,} terminal rows"
+            if levels
+            else "claim p99, largest / smallest terminal rows",
+            "ratio",
+            lambda r: median(r.get("claims"), "p99_ratio_largest_to_smallest"),
+        )
+    )
+    for key in dict.fromkeys([*pg.get("pools", {}), *maria.get("pools", {})]):
+        rows.append(
+            (f"pool {key}: share of the limit", "fraction", at("pools", key, "fraction_of_limit"))
+        )
+    return rows
+
+
+def report_mariadb(res: dict[str, Any]) -> list[str]:
+    """Each figure on PostgreSQL and on MariaDB, and MariaDB's over PostgreSQL's."""
+    maria = res.get("mariadb")
+    if maria is None:
+        skipped = any(w.startswith("no MariaDB figures") for w in res.get("warnings", []))
+        return (
+            ["MariaDB beside PostgreSQL: not measured (see the WARNING below)"] if skipped else []
+        )
+    lines = [
+        "MariaDB beside PostgreSQL (the MariaDB pass ran after the PostgreSQL one, on the same "
+        "machine; ratios of items/s above 1: faster on MariaDB)",
+        f"{'':<56}{'PostgreSQL':>12}{'MariaDB':>12}{'MariaDB/PG':>12}",
+    ]
+    for label, unit, get in beside_rows(res, maria):
+        a, b = get(res), get(maria)
+        if a is None and b is None:
+            continue
+        ratio = f"{b / a:.2f}" if a and b is not None and unit != "count" else "-"
+        shown = [("n/a" if x is None else fmt_value(x, unit)) for x in (a, b)]
+        lines.append(f"{label:<56}{shown[0]:>12}{shown[1]:>12}{ratio:>12}")
+    info = maria.get("machine", {})
+    if info.get("mariadb"):
+        lines.append(
+            f"MariaDB {info['mariadb']}, innodb_flush_log_at_trx_commit "
+            f"{info.get('mariadb_flush_log_at_trx_commit')}, sync_binlog "
+            f"{info.get('mariadb_sync_binlog')}; PostgreSQL {res['machine'].get('postgresql')}, "
+            f"synchronous_commit {res['machine'].get('pg_synchronous_commit')}"
+        )
+    met = [t for t in maria.get("targets", []) if t["goal"] != "info" and t["met"] is not None]
+    if met:
+        lines.append(
+            f"MariaDB's own targets: {sum(t['met'] for t in met)} of {len(met)} met "
+            "(the JSON's mariadb.targets)"
+        )
+    return lines
+
+
 def report_targets(res: dict[str, Any]) -> list[str]:
     lines = ["Targets"]
     for t in res.get("targets", []):
@@ -1731,6 +2206,7 @@ def print_report(res: dict[str, Any]) -> None:
         report_claims(res),
         report_pools(res),
         report_targets(res),
+        report_mariadb(res),
     ]
     lines: list[str] = []
     for section in sections:
@@ -1743,7 +2219,15 @@ def print_report(res: dict[str, Any]) -> None:
         lines.append(f"ERROR in {e['phase']}: {text}")
     for w in res.get("warnings", []):
         lines.append(f"WARNING: {w}")
-    lines.append(f"total {res['seconds']:.0f} s")
+    maria = res.get("mariadb") or {}
+    for e in maria.get("errors", []):
+        lines.append(f"ERROR in the MariaDB pass, {e['phase']}: {e['error'].strip()[-800:]}")
+    for w in maria.get("warnings", []):
+        lines.append(f"WARNING in the MariaDB pass: {w}")
+    if maria:
+        lines.append(f"total {res['seconds']:.0f} s, and {maria['seconds']:.0f} s on MariaDB")
+    else:
+        lines.append(f"total {res['seconds']:.0f} s")
     print("\n".join(lines))
 
 
@@ -1791,6 +2275,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="terminal rows for the claim cost (default 10000,100000,1000000)",
     )
+    p.add_argument(
+        "--no-mariadb",
+        action="store_true",
+        help="skip the MariaDB pass (by default it follows the PostgreSQL one when the mysql "
+        "driver imports and the server answers)",
+    )
+    p.add_argument(
+        "--mariadb-url",
+        default=MARIADB_URL,
+        metavar="URL",
+        help="MariaDB's bench database (default MARIADB_URL, else "
+        "mysql://root@127.0.0.1:3306/fanout_bench)",
+    )
+    p.add_argument(
+        "--database",
+        choices=("postgresql", "mariadb"),
+        default=None,
+        help="run on this server alone: postgresql (DATABASE_URL) or mariadb (--mariadb-url); "
+        "by default PostgreSQL, then the MariaDB pass",
+    )
     p.add_argument("--child-materialize", type=int, help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
     quick = cfg.quick
@@ -1825,8 +2329,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cfg
 
 
+def mariadb_pass(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Run this script again on MariaDB, the same phases with the same sizes; its results go
+    under res["mariadb"]. A separate process, because Django binds its database at setup. An
+    unreachable server is a warning: the PostgreSQL figures stand alone."""
+    phases = cfg.phases
+    why = mariadb_unavailable(cfg.mariadb_url)
+    if why:
+        res["warnings"].append(f"no MariaDB figures: {why}; --no-mariadb skips the MariaDB pass")
+        log(f"warning: {res['warnings'][-1]}")
+        return
+    fd, name = tempfile.mkstemp(prefix="fanout-bench-mariadb-", suffix=".json")
+    os.close(fd)
+    out = Path(name)
+    sizes = lambda xs: ",".join(str(x) for x in xs)  # noqa: E731
+    cmd = [
+        sys.executable,
+        str(HERE / "run.py"),
+        "--database",
+        "mariadb",
+        "--only",
+        ",".join(phases),
+        "--json",
+        str(out),
+        "--items",
+        str(cfg.items),
+        "--repeats",
+        str(cfg.repeats),
+        "--materialize",
+        sizes(cfg.materialize_sizes),
+        "--claim-levels",
+        sizes(cfg.claim_levels),
+        *(["--quick"] if cfg.quick else []),
+    ]
+    # The URL goes by the environment, where a password is not shown to other users.
+    env = {**os.environ, "MARIADB_URL": cfg.mariadb_url, "FANOUT_BENCH_LOG_PREFIX": "mariadb: "}
+    log(f"MariaDB pass: {', '.join(phases)} (its report follows on stderr)")
+    sys.stderr.flush()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=sys.stderr,  # its own report joins the log; ours keeps stdout
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    _children.append(proc)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:  # the PostgreSQL figures are still written
+        log("MariaDB pass interrupted")
+    finally:
+        _stop_process(proc)
+        _children.remove(proc)
+    try:
+        res["mariadb"] = json.loads(out.read_text())
+    except (OSError, ValueError):
+        res["errors"].append(
+            {
+                "phase": "mariadb",
+                "error": f"the MariaDB pass exited with {proc.returncode} and wrote no results "
+                "(its log is above)",
+            }
+        )
+    finally:
+        out.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.database == "mariadb":
+        # Before the settings read it; workers and subprocesses inherit it.
+        os.environ["DATABASE_URL"] = cfg.mariadb_url
     if cfg.child_materialize:
         child_materialize(cfg.child_materialize)
         return 0
@@ -1837,6 +2411,8 @@ def main(argv: list[str] | None = None) -> int:
     from django.conf import settings
 
     settings.DATABASES  # noqa: B018  (load the settings to read the database)
+    if cfg.database == "postgresql" and is_mariadb():
+        raise SystemExit("--database postgresql, but DATABASE_URL names a MySQL/MariaDB server")
     ensure_database()
     django.setup()
     migrate()
@@ -1850,8 +2426,18 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             k: v
             for k, v in vars(cfg).items()
-            if k not in ("json", "only", "child_materialize", "materialize")
+            if k
+            not in (
+                "json",
+                "only",
+                "child_materialize",
+                "materialize",
+                "no_mariadb",
+                "mariadb_url",
+                "database",
+            )
         },
+        "database": "mariadb" if is_mariadb() else "postgresql",
         "loadavg": {},
         "errors": [],
         "warnings": [],
@@ -1866,6 +2452,7 @@ def main(argv: list[str] | None = None) -> int:
         "pools": lambda: phase_pools(cfg, logdir),
     }
     digest = res["machine"]["fanout_code_digest"] = code_digest()
+    interrupted = False
     try:
         for phase in PHASES:
             if phase not in cfg.phases:
@@ -1886,6 +2473,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["errors"].append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"})
                 log(f"phase {phase} failed: {type(exc).__name__}: {exc}")
                 if isinstance(exc, KeyboardInterrupt):
+                    interrupted = True
                     break
                 _stop_all_children()
                 from django.db import connection
@@ -1906,12 +2494,14 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.monotonic() - started
     res["machine"]["loadavg_end"] = os.getloadavg()
     res["targets"] = targets(res)
+    if not is_mariadb() and cfg.database is None and not cfg.no_mariadb and not interrupted:
+        mariadb_pass(cfg, res)
     path = Path(cfg.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     print_report(res)
     print(f"\nJSON written to {path}; worker logs in {logdir}")
-    return 1 if res["errors"] else 0
+    return 1 if res["errors"] or res.get("mariadb", {}).get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Settings of the benchmark: the example project's, plus the bench app, on its own database.
 
-DATABASE_URL  default postgres://root@127.0.0.1:5432/fanout_bench (bench/run.py creates it)
+DATABASE_URL  default postgres://root@127.0.0.1:5432/fanout_bench (bench/run.py creates it);
+              mysql://... for MariaDB (bench/run.py --database mariadb sets it)
 REDIS_URL     default redis://127.0.0.1:6379/6 (the script empties this Redis database)
 """
 
