@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .badinput import bad_handlers, bad_input
+from .compensation import compensation
 from .compete import competing_parents
 from .crash import crash_parent, crash_workers
 from .deploy import deploy
@@ -28,6 +29,7 @@ SCENARIOS: dict[str, Callable[[Harness, Result], None]] = {
     "crash-parent": crash_parent,
     "deploy": deploy,
     "nested": nested,
+    "compensation": compensation,
     "pool": exhausted_pool,
     "bad-handlers": bad_handlers,
     "bad-input": bad_input,

@@ -21,8 +21,9 @@ A tree of runs (``chaos_nest_orgs`` -> ``chaos_nest_repos`` -> ``chaos_nest_file
 ``orgs``, ``repos`` and ``files`` (items per level) and ``sleep`` (every call, at every level);
 ``crash_spawn``: ["o1", "o0/r2", ...] are the parent items whose child run, once written, kills
 the process that wrote it (a crash between spawning a child run and recording its parent item
-waiting). Joins of the tree also write ``Execution`` rows, keyed ``join:``, so that a join run
-twice is counted, and one cut off by a kill is told from a duplicate.
+waiting). Joins of the tree, and compensations (``chaos_comp_*``, ``undo_sleep``: [low, high]),
+also write ``Execution`` rows, keyed ``join:`` and ``undo:<key>``, so that a join or a
+compensation run twice is counted, and one cut off by a kill is told from a duplicate.
 """
 
 from __future__ import annotations
@@ -294,3 +295,28 @@ FanOut(
     max_parallel=3,
     **tree,
 )
+
+
+# Compensation: item ``bad`` fails for good (fail_fast), then every item that succeeded is
+# undone; each compensation is in the ledger as "undo:<key>".
+def chaos_undo(item: Item, result: Any) -> None:
+    row = _start(item, time.time(), key=f"undo:{item.key}")
+    try:
+        _sleep(item.params.get("undo_sleep"))
+        if not isinstance(result, dict) or result.get("i") != item.index:
+            raise RuntimeError(f"chaos: {item.key} was handed the result {result!r}")
+    finally:
+        _ended(row)
+
+
+compensated: dict[str, Any] = dict(
+    failure_policy="fail_fast",
+    max_parallel=4,
+    lease_seconds=3,
+    max_attempts=2,
+    retry_backoff=0.1,
+    compensate=chaos_undo,
+    **common,
+)
+FanOut("chaos_comp_reverse", compensate_order="reverse", **compensated)
+FanOut("chaos_comp_parallel", compensate_order="parallel", compensate_max_parallel=2, **compensated)
