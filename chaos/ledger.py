@@ -215,7 +215,9 @@ def analyse(
                 f"{it['key']}: ran {died} times after deaths but counts {it['crashes']} crashes"
             )
         if any(r != "retry" for r in reasons):
-            fig.duplicates[it["key"]] = sorted(set(reasons) - {"retry"})
+            # Runs of a tree share keys: name the run too, or duplicates would merge.
+            label = it["key"] if len(runs) == 1 else f"{it['key']}@{it['run_id']}"
+            fig.duplicates[label] = sorted(set(reasons) - {"retry"})
         elif reasons:
             fig.retried += 1
         _check_recorded(it, calls, run, deaths, fig)
