@@ -13,11 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .badinput import bad_handlers, bad_input
+from .compensation import compensation
 from .compete import competing_parents
 from .crash import crash_parent, crash_workers
 from .deploy import deploy
 from .harness import DEFAULT_DATABASE_URL, Harness, Options, Result
 from .infra import pg_restart, redis_flush, redis_stop
+from .nested import nested
 from .pool import exhausted_pool
 
 # In the order they run; the PostgreSQL restart, which every client of the server sees, last.
@@ -26,6 +28,8 @@ SCENARIOS: dict[str, Callable[[Harness, Result], None]] = {
     "crash-workers": crash_workers,
     "crash-parent": crash_parent,
     "deploy": deploy,
+    "nested": nested,
+    "compensation": compensation,
     "pool": exhausted_pool,
     "bad-handlers": bad_handlers,
     "bad-input": bad_input,

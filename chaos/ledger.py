@@ -21,6 +21,9 @@ from .procs import Death
 # recorded its outcome: running the item again is then a recovery, not a duplicate.
 RECORD_WINDOW = 5.0
 RETRYABLE = ("raised", "throttled")
+# Ledger keys of calls that are not an item's handler: joins ("join:") and compensations
+# ("undo:<key>"). Item analysis leaves them out; ``calls`` reads them.
+SIDE_CALLS = ("join:", "undo:")
 _EXEC_IN_ERROR = re.compile(r"\(exec (\d+)\)")
 
 
@@ -113,7 +116,10 @@ def load(run_ids: list[int]) -> tuple[list[Exec], dict[int, RunInfo], list[dict[
     ):
         endings.setdefault(value["exec"], {}).update(value)
     execs = []
-    for row in Execution.objects.filter(run_id__in=run_ids).order_by("started", "pk"):
+    rows = Execution.objects.filter(run_id__in=run_ids)
+    for prefix in SIDE_CALLS:
+        rows = rows.exclude(key__startswith=prefix)
+    for row in rows.order_by("started", "pk"):
         seen = endings.get(row.pk, {})
         execs.append(
             Exec(
@@ -181,7 +187,7 @@ def analyse(
     fig.join_runs = {r.id: r.join_runs for r in runs.values() if r.has_join}
     for it in items:
         fig.statuses[it["status"]] = fig.statuses.get(it["status"], 0) + 1
-    fig.lost = sum(1 for it in items if it["status"] in ("pending", "running"))
+    fig.lost = sum(1 for it in items if it["status"] in ("pending", "running", "waiting"))
 
     by_item: dict[tuple[int, str], list[Exec]] = defaultdict(list)
     for e in execs:
@@ -209,7 +215,9 @@ def analyse(
                 f"{it['key']}: ran {died} times after deaths but counts {it['crashes']} crashes"
             )
         if any(r != "retry" for r in reasons):
-            fig.duplicates[it["key"]] = sorted(set(reasons) - {"retry"})
+            # Runs of a tree share keys: name the run too, or duplicates would merge.
+            label = it["key"] if len(runs) == 1 else f"{it['key']}@{it['run_id']}"
+            fig.duplicates[label] = sorted(set(reasons) - {"retry"})
         elif reasons:
             fig.retried += 1
         _check_recorded(it, calls, run, deaths, fig)
@@ -225,11 +233,11 @@ def analyse(
 
     for run_id in run_ids:
         spans = [(e.started, end_of(e)) for e in execs if e.run_id == run_id]
-        fig.inflight_run = max(fig.inflight_run, _max_overlap(spans))
+        fig.inflight_run = max(fig.inflight_run, max_overlap(spans))
     for name, limits in (pools or {}).items():
         # Admissions are claim times (the handler read its item's claimed_at), else starts.
         mine = [e for e in execs if e.pool == name]
-        fig.inflight_pool[name] = _max_overlap([(e.started, end_of(e)) for e in mine])
+        fig.inflight_pool[name] = max_overlap([(e.started, end_of(e)) for e in mine])
         times = sorted(e.claimed if e.claimed is not None else e.started for e in mine)
         fig.admissions[name] = _max_in_window(times, limits["period"])
     return fig
@@ -331,7 +339,51 @@ def _check_recorded(
         )
 
 
-def _max_overlap(spans: list[tuple[float, float]]) -> int:
+def calls(run_ids: list[int], prefix: str = "") -> list[Exec]:
+    """Ledger rows by start time: the items' handler calls, or (``prefix`` "join:", "undo:")
+    the joins or compensations, keyed by what follows the prefix."""
+    from tests.testapp.models import Execution
+
+    rows = Execution.objects.filter(run_id__in=run_ids)
+    if prefix:
+        rows = rows.filter(key__startswith=prefix)
+    else:
+        for side in SIDE_CALLS:
+            rows = rows.exclude(key__startswith=side)
+    return [
+        Exec(
+            id=row.pk,
+            run_id=row.run_id,
+            key=row.key.removeprefix(prefix),
+            attempt=row.attempt,
+            pool=row.pool,
+            pid=int(row.worker.rsplit(":", 1)[-1]),
+            started=row.started,
+            ended=row.ended,
+        )
+        for row in rows.order_by("started", "pk")
+    ]
+
+
+def cut_off(call: Exec, deaths: dict[int, Death]) -> bool:
+    """Whether a kill cut the call off: its worker died mid-call, or after it returned but
+    before it could record its outcome (within ``RECORD_WINDOW``)."""
+    death = deaths.get(call.pid)
+    if death is None or death.at < call.started - 0.05:
+        return False
+    return call.ended is None or call.ended - 0.05 <= death.at <= call.ended + RECORD_WINDOW
+
+
+def span_end(call: Exec, deaths: dict[int, Death], now: float) -> float:
+    """When a call stopped: its end, else its worker's death, else now (it still runs)."""
+    if call.ended is not None:
+        return call.ended
+    death = deaths.get(call.pid)
+    return death.at if death else now
+
+
+def max_overlap(spans: list[tuple[float, float]]) -> int:
+    """The most spans open at one instant."""
     events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
     best = cur = 0
     for _, delta in events:  # an end sorts before a start at the same instant

@@ -141,12 +141,19 @@ def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
         if not taken:
             return Taken(None, reason="no compensation due")
         token = uuid.uuid4()
-        ItemClaim.objects.filter(pk__in=[c["pk"] for c in taken]).update(
+        held = dict(
             claim_token=token,
             owner=owner[:200],
             lease_expires_at=db_now_plus(definition.lease_seconds),
-            compensation_attempt=F("compensation_attempt") + 1,
         )
+        # A takeover continues the attempt its dead worker had begun: like an item's, a crash
+        # uses no attempt. Only a fresh claim (the first, or a retry after a failure) does.
+        ItemClaim.objects.filter(pk__in=[c["pk"] for c in expired]).update(**held)
+        ItemClaim.objects.filter(pk__in=[c["pk"] for c in fresh]).update(
+            compensation_attempt=F("compensation_attempt") + 1, **held
+        )
+        for c in fresh:
+            c["compensation_attempt"] += 1
         if fresh:
             BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") + len(fresh))
         return Taken(
@@ -159,7 +166,7 @@ def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
                         c["index"],
                         c["payload"],
                         c["pool"],
-                        c["compensation_attempt"] + 1,
+                        c["compensation_attempt"],
                     ),
                     c["result"],
                 )

@@ -286,6 +286,10 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     # A lost job's slot must free itself before its items' leases run out, so that idle
     # workers are sent to reclaim them.
     alive_ttl = max(1, min(ALIVE_TTL, int(definition.lease_seconds)))
+    # The job's first beat (in drain_job) gave the key ALIVE_TTL, and holds off the loop's
+    # beat below for a while: cut it to alive_ttl now, before any item is claimed, or a worker
+    # that dies in its first moments holds the slot for ALIVE_TTL, past its items' leases.
+    _heartbeat(job, key, alive_ttl, force=True)
     stopping_since: float | None = None
     _running.add(stop)
     keeper.start()

@@ -105,3 +105,33 @@ def test_an_operator_cancels_a_run_and_compensates_what_it_did() -> None:
     assert run.status == RunStatus.COMPENSATED
     assert set(run.items.values_list("status", flat=True)) == {ItemStatus.CANCELLED}
     assert undone(run) == []
+
+
+def test_a_compensation_taken_over_after_its_worker_died_keeps_its_attempt() -> None:
+    from django.utils import timezone
+
+    from fanout import compensate
+
+    definition = get_definition("comp_reverse")  # max_attempts=3
+    run = prepare_run(definition, {"n": 1}, uuid.uuid4().hex)
+    item = ItemClaim.objects.get(run=run)
+    ItemClaim.objects.filter(pk=item.pk).update(
+        status=ItemStatus.SUCCEEDED, result={"charged": item.key}
+    )
+    assert compensate.begin(run.pk, "the run failed")
+    first = compensate.claim(run.pk, definition, "host:1:dead")
+    assert [i.attempt for i, _ in first.items] == [1]
+    # Its worker dies mid-compensation, twice: each time the lease runs out and another
+    # worker takes it over.
+    for owner in ("host:2:dead", "host:3:alive"):
+        ItemClaim.objects.filter(pk=item.pk).update(lease_expires_at=timezone.now())
+        taken = compensate.claim(run.pk, definition, owner)
+
+    # A crash is not the compensation's fault: like an item's, it uses no attempt.
+    assert [i.attempt for i, _ in taken.items] == [1]
+    assert ItemClaim.objects.get(pk=item.pk).compensation_attempt == 1
+    # So a compensation that then fails once has attempts left: it is retried, not failed.
+    assert taken.token is not None
+    error = (False, "RuntimeError", "bounced")
+    assert compensate.record(run.pk, definition, taken.token, taken.items[0][0], error)
+    assert ItemClaim.objects.get(pk=item.pk).status == ItemStatus.COMPENSATING
