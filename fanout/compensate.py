@@ -37,6 +37,7 @@ from .transitions import ClaimedItem
 logger = logging.getLogger("fanout")
 
 REVERSE, PARALLEL = "reverse", "parallel"
+LOST = "WorkerLost"
 ORDERS = (REVERSE, PARALLEL)
 
 
@@ -120,8 +121,10 @@ def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
             comp.filter(claim_token__isnull=False, lease_expires_at__lte=DbNow())
             .order_by(*order)
             .select_for_update(skip_locked=True)
-            .values(*fields)[:1]
+            .values(*fields, "owner")[:1]
         )
+        if expired and not _within_crash_budget(run_id, definition, expired[0]):
+            return Taken(None, reason="a compensation used up its crash budget")
         room = _budget(definition, run["max_parallel"]) - run.get("compensating", 0)
         fresh: list[dict] = []
         if room > 0 and not expired:
@@ -173,6 +176,40 @@ def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
                 for c in taken
             ],
         )
+
+
+def _within_crash_budget(run_id: int, definition: FanOut, lost: dict) -> bool:
+    """Note that the compensation's worker died; fail it once more than ``crash_budget`` of
+    its workers died in one attempt (a compensation that kills its worker is not taken over
+    for ever), giving back its budget and pool slots. True if it may be taken over."""
+    ItemAttempt.objects.create(
+        item_id=lost["pk"],
+        attempt=lost["compensation_attempt"],
+        owner=lost["owner"],
+        error_class=f"compensation: {LOST}",
+        error="its worker died or stopped renewing the lease mid-compensation",
+        finished_at=DbNow(),
+    )
+    crashes = ItemAttempt.objects.filter(
+        item_id=lost["pk"],
+        attempt=lost["compensation_attempt"],
+        error_class=f"compensation: {LOST}",
+    ).count()
+    if crashes <= definition.crash_budget:
+        return True
+    ItemClaim.objects.filter(pk=lost["pk"]).update(
+        status=ItemStatus.COMPENSATION_FAILED,
+        claim_token=None,
+        lease_expires_at=None,
+        error=f"{LOST}: {crashes} workers died running its compensation "
+        f"(crash_budget={definition.crash_budget})",
+    )
+    BatchRun.objects.filter(pk=run_id).update(compensating=Greatest(F("compensating") - 1, 0))
+    if lost["pool"]:
+        CapacityPool.objects.filter(name=lost["pool"]).update(
+            in_flight=Greatest(F("in_flight") - 1, 0)
+        )
+    return False
 
 
 def _host_full(definition: FanOut) -> str:

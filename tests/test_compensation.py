@@ -12,7 +12,7 @@ from django.core.management import call_command
 from fanout.compensate import retry_failed_compensations
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run, resume
-from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from fanout.models import BatchRun, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 from tests.pools.ledger import max_in_flight
 from tests.testapp.models import Execution
 
@@ -135,3 +135,34 @@ def test_a_compensation_taken_over_after_its_worker_died_keeps_its_attempt() -> 
     error = (False, "RuntimeError", "bounced")
     assert compensate.record(run.pk, definition, taken.token, taken.items[0][0], error)
     assert ItemClaim.objects.get(pk=item.pk).status == ItemStatus.COMPENSATING
+
+
+def test_a_compensation_that_kills_every_worker_fails_after_its_crash_budget() -> None:
+    from django.utils import timezone
+
+    from fanout import compensate
+
+    definition = get_definition("comp_reverse")
+    run = prepare_run(definition, {"n": 1}, uuid.uuid4().hex)
+    item = ItemClaim.objects.get(run=run)
+    ItemClaim.objects.filter(pk=item.pk).update(
+        status=ItemStatus.SUCCEEDED, result={"charged": item.key}
+    )
+    assert compensate.begin(run.pk, "the run failed")
+    assert compensate.claim(run.pk, definition, "host:0:dead").items
+    # Each worker that takes it over dies too, as if the compensation killed it.
+    for n in range(1, definition.crash_budget + 1):
+        ItemClaim.objects.filter(pk=item.pk).update(lease_expires_at=timezone.now())
+        assert compensate.claim(run.pk, definition, f"host:{n}:dead").items
+
+    ItemClaim.objects.filter(pk=item.pk).update(lease_expires_at=timezone.now())
+    last = compensate.claim(run.pk, definition, "host:9:alive")
+
+    assert last.items == []
+    item.refresh_from_db()
+    assert item.status == ItemStatus.COMPENSATION_FAILED
+    assert f"{definition.crash_budget + 1} workers died" in item.error
+    lost = ItemAttempt.objects.filter(item=item, error_class="compensation: WorkerLost")
+    assert lost.count() == definition.crash_budget + 1
+    assert compensate.finish(run.pk) == RunStatus.COMPENSATION_FAILED
+    assert BatchRun.objects.get(pk=run.pk).compensating == 0
