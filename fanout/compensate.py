@@ -56,10 +56,13 @@ def begin(run_id: int, reason: str = "") -> bool:
     return bool(changed)
 
 
-def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> None:
-    """The join found the run failed: compensate instead of ending it."""
+def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> bool:
+    """The join found the run failed: compensate instead of ending it; False if the run was
+    cancelled meanwhile."""
     with transaction.atomic():
-        BatchRun.objects.filter(pk=run_id, join_token=token).update(
+        turned = BatchRun.objects.filter(
+            pk=run_id, join_token=token, status=RunStatus.JOINING
+        ).update(
             status=RunStatus.COMPENSATING,
             join_result=result,
             error=error,
@@ -67,7 +70,9 @@ def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> 
             join_token=None,
             join_lease_expires_at=None,
         )
-        _sweep(run_id)
+        if turned:  # not a run an operator cancelled while it was being joined
+            _sweep(run_id)
+    return bool(turned)
 
 
 def _sweep(run_id: int) -> int:
@@ -350,9 +355,7 @@ def retry_failed_compensations(run: BatchRun) -> int:
             error="",
         )
         if count:
-            BatchRun.objects.filter(
-                pk=run.pk, status=RunStatus.COMPENSATION_FAILED
-            ).update(
+            BatchRun.objects.filter(pk=run.pk, status=RunStatus.COMPENSATION_FAILED).update(
                 status=RunStatus.COMPENSATING, finished_at=None, reopened=F("reopened") + 1
             )
     run.refresh_from_db()
@@ -386,4 +389,3 @@ def drain(definition: FanOut, run_id: int, owner: str, stop: Any, deadline: floa
                 outcome = execute(definition, run, item, result)
                 record(run_id, definition, token, item, outcome)
     return "stopped"
-

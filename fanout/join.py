@@ -22,7 +22,6 @@ from .models import BatchRun, FailurePolicy, ItemClaim, ItemStatus, JoinMode, Ru
 logger = logging.getLogger("fanout")
 
 
-
 def outcomes(run_id: int) -> Iterator[Outcome]:
     """Every item's outcome in index order, read in chunks so a million items stay cheap."""
     rows = (
@@ -65,6 +64,11 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
     token = _elect(run_id)
     if token is None:
         return False
+    return conclude(run_id, token, definition)
+
+
+def conclude(run_id: int, token: uuid.UUID, definition: FanOut | None = None) -> bool:
+    """The elected joiner's part: judge the run, call the join, record the end once."""
     run = BatchRun.objects.get(pk=run_id)
     try:
         definition = definition or get_definition(run.definition)
@@ -90,10 +94,12 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         # It failed: undo what succeeded before calling it over (see compensate.py).
         from .compensate import begin_after_join
 
-        begin_after_join(run_id, token, result, error)
+        if not begin_after_join(run_id, token, result, error):
+            return False
         logger.info("run %s failed: compensating %s", run_id, counts)
         return True
-    BatchRun.objects.filter(pk=run_id, join_token=token).update(
+    # Only a run still joining ends here: one an operator cancelled meanwhile stays cancelled.
+    ended = BatchRun.objects.filter(pk=run_id, join_token=token, status=RunStatus.JOINING).update(
         status=status,
         join_result=result,
         error=error,
@@ -102,6 +108,9 @@ def maybe_join(run_id: int, definition: FanOut | None = None) -> bool:
         join_token=None,
         join_lease_expires_at=None,
     )
+    if not ended:
+        logger.info("run %s ended while it was being joined: the join is not recorded", run_id)
+        return False
     logger.info("run %s joined: %s %s", run_id, status, counts)
     from .signals import run_finished, send
 
@@ -118,9 +127,7 @@ class _JoinFailed(Exception):
         self.error = error
 
 
-def _join_with_retries(
-    run_id: int, token: uuid.UUID, definition: FanOut, failures: int
-) -> Any:
+def _join_with_retries(run_id: int, token: uuid.UUID, definition: FanOut, failures: int) -> Any:
     """Call the join; while it raises, show the error on the run, wait and call it again.
 
     The join stays taken throughout (its lease renewed while this process waits), so a crash

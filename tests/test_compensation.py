@@ -166,3 +166,28 @@ def test_a_compensation_that_kills_every_worker_fails_after_its_crash_budget() -
     assert lost.count() == definition.crash_budget + 1
     assert compensate.finish(run.pk) == RunStatus.COMPENSATION_FAILED
     assert BatchRun.objects.get(pk=run.pk).compensating == 0
+
+
+@pytest.mark.parametrize(("name", "failing"), [("comp_reverse", []), ("comp_reverse", ["s00001"])])
+def test_a_run_cancelled_while_it_is_being_joined_stays_cancelled(name: str, failing: list) -> None:
+    # Every item ended, a joiner was elected, and then an operator (or a failing-fast parent)
+    # cancels the run before the joiner records its verdict: the cancel stands.
+    from fanout import join
+    from fanout.recover import cancel_run
+
+    run = prepare_run(get_definition(name), {"n": 2}, uuid.uuid4().hex)
+    for item in ItemClaim.objects.filter(run=run):
+        failed = item.key in failing
+        ItemClaim.objects.filter(pk=item.pk).update(
+            status=ItemStatus.FAILED if failed else ItemStatus.SUCCEEDED,
+            result=None if failed else {"charged": item.key},
+        )
+    token = join._elect(run.pk)
+    assert token is not None
+
+    cancel_run(BatchRun.objects.get(pk=run.pk), "stopped while joining")
+    assert join.conclude(run.pk, token) is False
+
+    run.refresh_from_db()
+    assert (run.status, run.error) == (RunStatus.CANCELLED, "stopped while joining")
+    assert not ItemClaim.objects.filter(run=run, status=ItemStatus.COMPENSATING).exists()
