@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, cast
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Field, Q, QuerySet
 
+from . import transitions
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .definition import FanOut, Item
@@ -129,13 +130,16 @@ def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
         raise MaterializeError(
             f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
         ) from exc
-    BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
-        status=RunStatus.RUNNING,
-        total_items=total,
-        started_at=DbNow(),
-        materialize_token=None,
-        materialize_lease_expires_at=None,
-    )
+    written = dict(total_items=total, materialize_token=None, materialize_lease_expires_at=None)
+    started = BatchRun.objects.filter(
+        pk=run.pk, materialize_token=token, status=RunStatus.PENDING
+    ).update(status=RunStatus.RUNNING, started_at=DbNow(), **written)
+    if not started:
+        # Cancelled (say, with its parent) while its items were being written: the cancel
+        # stands, and the items written since are cancelled with the others.
+        BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(**written)
+        run.refresh_from_db()
+        transitions.cancel_pending(ItemClaim.objects.filter(run_id=run.pk), run.error)
     run.refresh_from_db()
     logger.info("run %s: %d items written", run.pk, total)
     if run.status == RunStatus.RUNNING:

@@ -228,3 +228,22 @@ def test_materializing_200000_generated_items_keeps_memory_flat(database_url: st
     # A Django process starts at ~65 MB and streaming peaks near 80 MB; holding the work list
     # would take it past 150 MB (the bare elements) or 210 MB (as unsaved ItemClaims).
     assert report["maxrss_kb"] < 120 * 1024, report
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("chunk", [10, 1000])
+def test_a_run_cancelled_while_its_items_are_written_stays_cancelled(chunk: int) -> None:
+    from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+
+    with override_settings(FANOUT_MATERIALIZE_CHUNK=chunk):
+        run = get_definition("slots_cancelled_mid_write").start(
+            {"n": 50, "cancel_at": 30}, run_key=f"mid-write-{chunk}"
+        )
+
+    run = BatchRun.objects.get(pk=run.pk)
+    assert (run.status, run.error) == (
+        RunStatus.CANCELLED,
+        "cancelled while its items were written",
+    )
+    statuses = list(ItemClaim.objects.filter(run=run).values_list("status", flat=True))
+    assert statuses == [ItemStatus.CANCELLED] * 50

@@ -288,3 +288,18 @@ def _compensating_group() -> None:
 
 
 _compensating_group()
+
+
+def _cancelled_mid_write(params: dict[str, Any]) -> Any:
+    """Yields ``n`` items; at ``cancel_at`` its run is cancelled, as its parent's cancel would."""
+    from fanout.models import BatchRun
+    from fanout.recover import cancel_run
+
+    for i in range(int(params["n"])):
+        if i == int(params["cancel_at"]):
+            run = BatchRun.objects.filter(definition="slots_cancelled_mid_write").latest("pk")
+            cancel_run(run, "cancelled while its items were written")
+        yield i
+
+
+FanOut("slots_cancelled_mid_write", over=_cancelled_mid_write, do=timed, key=lambda i: f"s{i:05d}")
