@@ -172,7 +172,7 @@ def _elect(run_id: int) -> uuid.UUID | None:
         return None
     if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
         # An item was reopened (retry-failed) between the check and the update.
-        BatchRun.objects.filter(pk=run_id, join_token=token).update(
+        BatchRun.objects.filter(pk=run_id, join_token=token, status=RunStatus.JOINING).update(
             status=RunStatus.RUNNING, join_token=None, join_lease_expires_at=None
         )
         return None
