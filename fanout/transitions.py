@@ -18,12 +18,13 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, cast
 
 from django.db import connection, transaction
 from django.db.models import F, Field, QuerySet
 from django.db.models.functions import Greatest
+from django.utils import timezone
 
 from .clock import DbNow, db_now_plus
 from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
@@ -457,8 +458,12 @@ def reopen(items: QuerySet[ItemClaim]) -> int:
 # --- the hot path: one finished item hands its slot to the next -------------------------
 
 # A PL/pgSQL function (migration 0003), so that PostgreSQL plans the statement once per
-# session: planning it cost more than running it.
-_HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
+# session: planning it cost more than running it. On MariaDB/MySQL a stored procedure
+# (migration 0005) does the same in one round trip.
+_HAND_OVER = {
+    "postgresql": "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)",
+    "mysql": "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+}
 
 
 @dataclass
@@ -470,7 +475,7 @@ class HandOver:
 def can_hand_over(outcome: ExecutionOutcome) -> bool:
     """Outcomes the one-statement path takes: successes. A failure goes through settle(),
     which also keeps the attempt's history."""
-    return connection.vendor == "postgresql" and outcome.kind == SUCCEEDED
+    return connection.vendor in _HAND_OVER and outcome.kind == SUCCEEDED
 
 
 def hand_over(
@@ -488,20 +493,28 @@ def hand_over(
     never wait for each other.
     """
     assert outcome.kind == SUCCEEDED, "only successes are handed over (see can_hand_over)"
+    mysql = connection.vendor == "mysql"
     params = [
         outcome.pk,
-        token,
+        token.hex if mysql else token,
         json.dumps(outcome.result) if outcome.result is not None else None,
         outcome.elapsed,
         run_id,
         outcome.pool,
         owner[:200],
-        new_token,
+        new_token.hex if mysql else new_token,
         lease_seconds,
     ]
     with connection.cursor() as cursor:
-        cursor.execute(_HAND_OVER, params)
+        cursor.execute(_HAND_OVER[connection.vendor], params)
         done, pk, key, index, payload, pool, attempt, started_at = cursor.fetchone()
+        if mysql:
+            # A CALL answers with its status too: read every result, or the connection
+            # refuses the next statement.
+            while cursor.nextset():
+                pass
+    if started_at is not None and timezone.is_naive(started_at):
+        started_at = timezone.make_aware(started_at, UTC)  # MySQL's DATETIME holds UTC
     item = None
     if pk is not None:
         item = ClaimedItem(pk, key, index, _loads(payload), pool, attempt, started_at)

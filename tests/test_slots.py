@@ -54,13 +54,13 @@ def most_at_once(run_id: int, after: float = 0.0) -> int:
     return peak
 
 
-def on_postgresql() -> None:
-    if connection.vendor != "postgresql":
-        pytest.skip("the one-statement hand-over is PostgreSQL's")
+def with_hand_over() -> None:
+    if connection.vendor not in ("postgresql", "mysql"):
+        pytest.skip("the one-statement hand-over is PostgreSQL's and MariaDB/MySQL's")
 
 
 def test_a_worker_in_its_steady_state_touches_neither_the_runs_row_nor_the_pools() -> None:
-    on_postgresql()
+    with_hand_over()
     CapacityPool.objects.create(name=SLOTS_POOL, max_concurrency=4)
     run = prepared("slots_pool", n=30)
     definition = get_definition("slots_pool")
@@ -75,8 +75,13 @@ def test_a_worker_in_its_steady_state_touches_neither_the_runs_row_nor_the_pools
     with connection.execute_wrapper(note):
         assert drain() in ("run finished", "run succeeded")
 
-    run_writes = [q for q in sql if q.startswith('UPDATE "fanout_batchrun" SET "in_flight"')]
-    pool_writes = [q for q in sql if q.startswith('UPDATE "fanout_capacitypool" SET "in_flight"')]
+    qn = connection.ops.quote_name
+    run_writes = [
+        q for q in sql if q.startswith(f"UPDATE {qn('fanout_batchrun')} SET {qn('in_flight')}")
+    ]
+    pool_writes = [
+        q for q in sql if q.startswith(f"UPDATE {qn('fanout_capacitypool')} SET {qn('in_flight')}")
+    ]
     hand_overs = [q for q in sql if "fanout_hand_over" in q]
     # One slot taken at the start, 29 hand-overs, the slot given up by the last one.
     assert len(hand_overs) == 30
@@ -88,7 +93,7 @@ def test_a_worker_in_its_steady_state_touches_neither_the_runs_row_nor_the_pools
 
 
 def test_a_hand_over_does_not_wait_for_a_transaction_that_holds_the_runs_row() -> None:
-    on_postgresql()
+    with_hand_over()
     run = prepared("slots_run", n=3)
     first = claim(run.pk, "a", 1, 30, 3, None)
     assert first.token is not None
@@ -108,7 +113,11 @@ def test_a_hand_over_does_not_wait_for_a_transaction_that_holds_the_runs_row() -
     try:
         assert locked.wait(10)
         with connection.cursor() as cursor:
-            cursor.execute("SET lock_timeout = '3s'")  # a wait fails the test, never hangs it
+            # A wait fails the test, never hangs it.
+            if connection.vendor == "mysql":
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = 3")
+            else:
+                cursor.execute("SET lock_timeout = '3s'")
         item = first.items[0]
         outcome = ExecutionOutcome(item.pk, item.key, SUCCEEDED, result={"ok": 1})
         handed = hand_over(run.pk, first.token, outcome, "a", uuid.uuid4(), 30)
