@@ -57,13 +57,18 @@ class InlineExecutor:
         )
         self._running = len(self.threads)
         self._count_lock = threading.Lock()
+        self._leaving = 0  # threads that found their (child) run ended; under _children_lock
 
     def _thread_main(self, drain: Drain) -> None:
         try:
-            self.outcomes.append(drain())
-        except Exception:
-            logger.exception("run %s: worker thread failed", self.run.pk)
-            self.outcomes.append("crashed")
+            while True:
+                try:
+                    self.outcomes.append(drain())
+                except Exception:
+                    logger.exception("run %s: worker thread failed", self.run.pk)
+                    self.outcomes.append("crashed")
+                if not self._reopened():
+                    break
         finally:
             connection.close()
             with self._count_lock:
@@ -72,6 +77,21 @@ class InlineExecutor:
             if last:
                 # Nobody may ever join() a child run's executor: the last thread tidies up.
                 self._stop_helpers()
+
+    def _reopened(self) -> bool:
+        """Whether a child run's thread, whose run had ended, must carry on: it was reopened
+        (retry-failed) meanwhile. Decided under the lock a resume takes to see whether this
+        executor still carries the run, so that one of them always does."""
+        if self.run.parent_item_id is None or self.stop.is_set():
+            return False
+        with _children_lock:
+            status = BatchRun.objects.filter(pk=self.run.pk).values_list("status", flat=True)
+            if status.first() in (RunStatus.RUNNING, RunStatus.COMPENSATING):
+                return True
+            self._leaving += 1
+            if self._leaving == len(self.threads) and _children.get(self.run.pk) is self:
+                del _children[self.run.pk]  # a resume from now on starts a new executor
+            return False
 
     def _stop_helpers(self) -> None:
         self.keeper.stop()
@@ -85,6 +105,11 @@ class InlineExecutor:
         for t in self.threads:
             t.start()
         return self
+
+    @property
+    def carrying(self) -> bool:
+        """Some thread still drains the run (callers hold _children_lock)."""
+        return self._leaving < len(self.threads) and self.alive
 
     @property
     def alive(self) -> bool:
@@ -119,7 +144,7 @@ def dispatch(
     if run.parent_item_id is not None:
         with _children_lock:
             handle = _children.get(run.pk)
-            if handle is None or not handle.alive:
+            if handle is None or not handle.carrying:
                 handle = _children[run.pk] = InlineExecutor(run, definition, workers).start()
     else:
         handle = InlineExecutor(run, definition, workers).start()
@@ -141,10 +166,11 @@ def _carry_children(run: BatchRun) -> None:
             continue
         with _children_lock:
             handle = _children.get(child.pk)
-            if handle is not None and handle.alive:
-                continue
-            definition = get_definition(child.definition)
-            _children[child.pk] = InlineExecutor(child, definition).start()
+            if handle is None or not handle.carrying:
+                definition = get_definition(child.definition)
+                _children[child.pk] = InlineExecutor(child, definition).start()
+        # Its own children too, whether or not its executor was already running: a reopened
+        # grandchild needs one even when its parent run's threads carried on.
         _carry_children(child)
 
 

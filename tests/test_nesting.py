@@ -38,7 +38,12 @@ def wait_tree(root: BatchRun, timeout: float = 60) -> list[BatchRun]:
         runs = tree(BatchRun.objects.get(pk=root.pk))
         return runs if all(r.is_terminal for r in runs) else None
 
-    return wait_until(ended, timeout, "the whole tree to end")
+    try:
+        return wait_until(ended, timeout, "the whole tree to end")
+    except AssertionError as exc:
+        from tests.rq.support import describe_runs
+
+        raise AssertionError(f"{exc}\n{describe_runs()}") from None
 
 
 def leaf_calls(runs: list[BatchRun]) -> Counter[tuple[int, str]]:
