@@ -141,6 +141,14 @@ def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
 
 
 _DEAD_STATUSES = {b"failed", b"stopped", b"canceled", b"finished"}
+# What RQ's own maintenance writes when it fails a job that a dead or stopping worker left
+# behind (never started, or started and abandoned): nothing is misconfigured, the slot is
+# simply filled again.
+RQ_CLEANUP = ("Job was stuck in intermediate queue", "AbandonedJobError")
+
+
+def cleaned_up_by_rq(detail: str) -> bool:
+    return any(marker in detail for marker in RQ_CLEANUP)
 
 
 def reap_slots(run: BatchRun, definition: FanOut) -> list[str]:
@@ -167,14 +175,23 @@ def reap_slots(run: BatchRun, definition: FanOut) -> list[str]:
         if conn.get(key) == job_id:
             conn.delete(key)
         if status in (b"failed", b"stopped"):
-            reasons.append(_job_failure(conn, job_id, definition))
+            job_id = job_id.decode() if isinstance(job_id, bytes) else job_id
+            worker, detail = _job_failure(conn, job_id)
+            if cleaned_up_by_rq(detail):
+                logger.info("run %s: RQ failed drain job %s (%s)", run.pk, job_id, detail)
+                continue
+            reasons.append(
+                f"no worker could run {definition.name!r}: drain job {job_id} failed on worker "
+                f"{worker}: {detail} (workers must use fanout.rq.FanoutWorker or RQ's JSON "
+                "serializer)"
+            )
     return reasons
 
 
-def _job_failure(conn: Any, job_id: Any, definition: FanOut) -> str:
+def _job_failure(conn: Any, job_id: str) -> tuple[str, str]:
+    """The worker that failed the job, and the last line of its error."""
     from rq.job import Job
 
-    job_id = job_id.decode() if isinstance(job_id, bytes) else job_id
     worker = conn.hget(f"rq:job:{job_id}", "worker_name") or b"?"
     worker = worker.decode() if isinstance(worker, bytes) else worker
     detail = "no error recorded"
@@ -184,10 +201,7 @@ def _job_failure(conn: Any, job_id: Any, definition: FanOut) -> str:
             detail = result.exc_string.strip().splitlines()[-1]
     except Exception as exc:  # the job's record is unreadable: say that instead
         detail = f"its record could not be read ({type(exc).__name__})"
-    return (
-        f"no worker could run {definition.name!r}: drain job {job_id} failed on worker "
-        f"{worker}: {detail} (workers must use fanout.rq.FanoutWorker or RQ's JSON serializer)"
-    )
+    return worker, detail
 
 
 def _worker_stopping(job: Any, checked: list[float]) -> bool:

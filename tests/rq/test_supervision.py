@@ -181,3 +181,30 @@ def test_a_worker_killed_between_dequeue_and_its_first_beat_does_not_hold_the_sl
 
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert executions(run.pk) == Counter(dict.fromkeys(keys(6), 1))
+
+
+def test_a_drain_job_that_rqs_own_cleanup_failed_is_refilled_without_a_stall(
+    transactional_db: Any, redis: Any
+) -> None:
+    # A worker stopped right after dequeuing leaves its job in RQ's intermediate queue; another
+    # worker's maintenance later fails it with this text. Nothing is misconfigured.
+    import django_rq
+    from rq.serializers import JSONSerializer
+
+    from fanout.rq import FanoutWorker, slot_key
+    from fanout.supervise import redispatch
+
+    run = get_definition("rq_items").start({"n": 4}, executor="rq", workers=1, wait=False)
+    old = redis.get(slot_key(run.pk, 0)).decode()
+    queue = django_rq.get_queue("fanout", serializer=JSONSerializer)
+    job = queue.fetch_job(old)
+    worker = FanoutWorker([queue], connection=queue.connection)
+    worker.handle_job_failure(job, queue, exc_string="Job was stuck in intermediate queue.")
+    assert redis.hget(f"rq:job:{old}", "status") == b"failed"
+
+    redispatch(BatchRun.objects.get(pk=run.pk))
+
+    assert BatchRun.objects.get(pk=run.pk).stalled == ""
+    new = redis.get(slot_key(run.pk, 0)).decode()
+    assert new != old
+    assert new in queue.job_ids
