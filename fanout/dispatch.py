@@ -67,6 +67,8 @@ class InlineExecutor:
                 except Exception:
                     logger.exception("run %s: worker thread failed", self.run.pk)
                     self.outcomes.append("crashed")
+                    self._reopened(leaving=True)  # a crash is not retried in a loop
+                    break
                 if not self._reopened():
                     break
         finally:
@@ -78,16 +80,17 @@ class InlineExecutor:
                 # Nobody may ever join() a child run's executor: the last thread tidies up.
                 self._stop_helpers()
 
-    def _reopened(self) -> bool:
+    def _reopened(self, leaving: bool = False) -> bool:
         """Whether a child run's thread, whose run had ended, must carry on: it was reopened
         (retry-failed) meanwhile. Decided under the lock a resume takes to see whether this
         executor still carries the run, so that one of them always does."""
-        if self.run.parent_item_id is None or self.stop.is_set():
+        if self.run.parent_item_id is None:
             return False
         with _children_lock:
-            status = BatchRun.objects.filter(pk=self.run.pk).values_list("status", flat=True)
-            if status.first() in (RunStatus.RUNNING, RunStatus.COMPENSATING):
-                return True
+            if not leaving and not self.stop.is_set():
+                status = BatchRun.objects.filter(pk=self.run.pk).values_list("status", flat=True)
+                if status.first() in (RunStatus.RUNNING, RunStatus.COMPENSATING):
+                    return True
             self._leaving += 1
             if self._leaving == len(self.threads) and _children.get(self.run.pk) is self:
                 del _children[self.run.pk]  # a resume from now on starts a new executor
