@@ -23,7 +23,6 @@ from typing import Any, cast
 
 from django.db import connection, transaction
 from django.db.models import F, Field, QuerySet
-from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from .clock import DbNow, db_now_plus
@@ -81,14 +80,16 @@ class ClaimedItem:
 
 def _adjust(runs: Counter[int], pools: Counter[str], sign: int) -> None:
     """Move runs' and pools' counters by ``sign`` × the counts: runs first, then pools, each
-    in order (the lock order every transaction keeps)."""
+    in order (the lock order every transaction keeps).
+
+    No clamp at zero: a counter that would go negative has drifted from its rows, and the
+    column's check makes that an error instead of a zero that hides it.
+    """
     for run_id in sorted(r for r, count in runs.items() if count):
-        BatchRun.objects.filter(pk=run_id).update(
-            in_flight=Greatest(F("in_flight") + sign * runs[run_id], 0)
-        )
+        BatchRun.objects.filter(pk=run_id).update(in_flight=F("in_flight") + sign * runs[run_id])
     for name in sorted(n for n, count in pools.items() if n and count):
         CapacityPool.objects.filter(name=name).update(
-            in_flight=Greatest(F("in_flight") + sign * pools[name], 0)
+            in_flight=F("in_flight") + sign * pools[name]
         )
 
 
@@ -176,10 +177,14 @@ def reclaim(
 
 
 def fail_lost(run_id: int, rows: Sequence[dict], crash_budget: int) -> int:
-    """Expired items whose owners kept dying fail; their slots are given up."""
+    """Items whose owners kept dying fail; the expired ones give their slots up.
+
+    A pending one holds no slot: a reaper (``release_expired``) gave it back already.
+    """
     if not rows:
         return 0
-    _note_lost([r for r in rows if r["status"] == ItemStatus.RUNNING])
+    holding = [r for r in rows if r["status"] == ItemStatus.RUNNING]
+    _note_lost(holding)
     n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
         status=ItemStatus.FAILED,
         claim_token=None,
@@ -190,7 +195,7 @@ def fail_lost(run_id: int, rows: Sequence[dict], crash_budget: int) -> int:
         error=f"the worker running this item died {crash_budget + 1} times "
         f"(crash budget {crash_budget})",
     )
-    _adjust(*_counts(run_id, rows), -1)
+    _adjust(*_counts(run_id, holding), -1)
     return n
 
 
