@@ -12,6 +12,7 @@ finishes an item does not come here: it hands its slot to the next item in one s
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from collections import Counter
@@ -322,9 +323,8 @@ class _Claim:
         if expired:
             # It keeps its slot: only the rate limit (a new call to the provider) applies.
             if pool is not None and pool.tokens is not None:
-                if pool.tokens < 1 - 1e-9:
+                if not self._spend_token(name, pool):
                     return
-                pool.tokens -= 1
             elif name and pool is None:
                 return
             self._take_host_slot()
@@ -340,6 +340,24 @@ class _Claim:
                 pool.tokens -= 1
         self._take_host_slot()
         self.fresh.append(cand)
+
+    def _spend_token(self, name: str, pool: CapacityPool) -> bool:
+        """Take a token for a reclaimed item; the tokens left bound the fresh items too.
+
+        The pool's room was counted from the tokens before this one was spent: left as it
+        was, a fresh item of the same claim could take a token that is gone.
+        """
+        if pool.tokens is None or pool.tokens < 1 - 1e-9:
+            return False
+        pool.tokens -= 1
+        whole = math.floor(pool.tokens + 1e-9)
+        if whole < self.rooms[name].count:
+            self.rooms[name].count = whole
+        if whole <= 0:
+            # Why the fresh items wait, and until when: the bucket's next token.
+            self.rooms[name] = headroom(pool, 0, self.now)
+            self.blocked.add(name)
+        return True
 
     def _take_host_slot(self) -> None:
         if self.host_room is not None:
