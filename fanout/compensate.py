@@ -24,7 +24,6 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import F
-from django.db.models.functions import Greatest
 
 from .claim import host_lock, lock_run
 from .clock import DbNow, db_now_plus
@@ -209,10 +208,10 @@ def _within_crash_budget(run_id: int, definition: FanOut, lost: dict) -> bool:
         error=f"{LOST}: {crashes} workers died running its compensation "
         f"(crash_budget={definition.crash_budget})",
     )
-    BatchRun.objects.filter(pk=run_id).update(compensating=Greatest(F("compensating") - 1, 0))
+    BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") - 1)
     if lost["pool"]:
         CapacityPool.objects.filter(name=lost["pool"]).update(
-            in_flight=Greatest(F("in_flight") - 1, 0)
+            in_flight=F("in_flight") - 1
         )
     return False
 
@@ -314,10 +313,10 @@ def record(
                 )
             else:
                 row.update(status=ItemStatus.COMPENSATION_FAILED, error=error, **released)
-        BatchRun.objects.filter(pk=run_id).update(compensating=Greatest(F("compensating") - 1, 0))
+        BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") - 1)
         if held["pool"]:
             CapacityPool.objects.filter(name=held["pool"]).update(
-                in_flight=Greatest(F("in_flight") - 1, 0)
+                in_flight=F("in_flight") - 1
             )
     return True
 

@@ -16,7 +16,6 @@ from collections.abc import Iterable
 
 from django.db import transaction
 from django.db.models import F
-from django.db.models.functions import Greatest
 
 from .clock import DbNow
 from .definition import Spawn, get_definition
@@ -92,7 +91,7 @@ def resolve(child_run_id: int) -> int | None:
             )
         # The item gives its run slot back (it held no pool slot while it waited).
         BatchRun.objects.filter(pk=item["run_id"]).update(
-            in_flight=Greatest(F("in_flight") - 1, 0)
+            in_flight=F("in_flight") - 1
         )
         if child.status != RunStatus.SUCCEEDED:
             _fail_parent_by_policy(item["run_id"], item["key"])
