@@ -9,11 +9,13 @@ Params understood by ``pool_work`` (all optional):
   sleep         seconds every handler call sleeps
   throttle      {key: seconds}: the key's first execution raises Throttled(retry_after=seconds)
   block_file    every first execution of a key blocks until this file exists (60 s at most)
+  exit          every execution kills its process (os._exit), as a handler that crashes it
   accounts      for ``pools_accounts``: the accounts; ``per_account`` items each (default 4)
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ def item_key(i: int) -> str:
 def pool_work(item: Item) -> Any:
     p = item.params
     with executing(item) as first:
+        if p.get("exit"):
+            os._exit(3)
         if p.get("sleep"):
             time.sleep(float(p["sleep"]))
         if p.get("block_file") and first:
@@ -70,6 +74,8 @@ FanOut("pools_busy", pool=BUSY_POOL, max_parallel=16, **numbered_items)
 FanOut("pools_rate", pool=RATE_POOL, max_parallel=32, batch_size=4, **numbered_items)
 # A short lease, and one attempt: a crash must not use it up.
 FanOut("pools_kill", pool=KILL_POOL, lease_seconds=2, max_attempts=1, **numbered_items)
+# Items that kill their worker every time, sharing pools_kill's pool: failed at the 2nd crash.
+FanOut("pools_crashing", pool=KILL_POOL, lease_seconds=2, crash_budget=1, **numbered_items)
 # One attempt: a Throttled that charged one would leave the item failed.
 FanOut("pools_throttle", pool=THROTTLE_POOL, max_attempts=1, max_parallel=4, **numbered_items)
 FanOut("pools_hold", pool=HOLD_POOL, max_parallel=4, **numbered_items)
