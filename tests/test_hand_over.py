@@ -74,7 +74,8 @@ def test_a_hand_over_that_gives_its_slot_up_locks_the_runs_row_before_the_pools(
     CapacityPool.objects.create(name=SLOTS_POOL, max_concurrency=4)
     run = prepared("slots_pool", n=1)
     taken = claim(run.pk, "worker", 1, LEASE, CRASH_BUDGET, SLOTS_POOL)
-    assert taken.token is not None
+    token = taken.token
+    assert token is not None
     # Nothing is left to hand the slot to: the hand-over gives it up, writing both rows.
     pool_locked, release_pool = threading.Event(), threading.Event()
     handed: list[HandOver] = []
@@ -97,7 +98,7 @@ def test_a_hand_over_that_gives_its_slot_up_locks_the_runs_row_before_the_pools(
                 worker_pid.append(cursor.fetchone()[0])
             item = taken.items[0]
             handed.append(
-                hand_over(run.pk, taken.token, succeeded(item), "worker", uuid.uuid4(), LEASE)
+                hand_over(run.pk, token, succeeded(item), "worker", uuid.uuid4(), LEASE)
             )
         finally:
             connections["default"].close()
