@@ -35,6 +35,11 @@ class MaterializeError(FanoutError):
     """The work list could not be turned into items; nothing was run."""
 
 
+class HostLockBusy(OperationalError):
+    """A claimer could not take its host's lock (the host limit) in time: it claimed nothing,
+    and may try again."""
+
+
 # MySQL/MariaDB error codes that a retry may outlast: the server going away or restarting, a
 # transaction rolled back by a deadlock or a lock wait, a connection killed or refused.
 _MYSQL_TRANSIENT = frozenset(
@@ -65,8 +70,8 @@ def is_transient(exc: BaseException) -> bool:
     Anything else (a missing procedure, an illegal mix of collations, an unknown column)
     fails the same way however often it is retried: a worker must stop and say so.
     """
-    if isinstance(exc, InterfaceError):
-        return True  # the connection is closed: a new one may work
+    if isinstance(exc, InterfaceError | HostLockBusy):
+        return True  # the connection is closed, or the lock is held: a new try may work
     if not isinstance(exc, OperationalError):
         return False
     cause = exc.__cause__ or exc
