@@ -19,13 +19,13 @@ PREVIOUS = importlib.import_module("fanout.migrations.0005_hand_over_procedure")
 CREATE = r"""
 CREATE PROCEDURE fanout_hand_over(
     IN p_pk BIGINT,
-    IN p_token VARCHAR(36),
+    IN p_token VARCHAR(36) {token},
     IN p_result LONGTEXT {result},
     IN p_elapsed DOUBLE,
     IN p_run_id BIGINT,
     IN p_pool VARCHAR(200) {pool},
     IN p_owner VARCHAR(200) {owner},
-    IN p_new_token VARCHAR(36),
+    IN p_new_token VARCHAR(36) {token},
     IN p_lease DOUBLE
 )
 MODIFIES SQL DATA
@@ -121,6 +121,7 @@ DROP = PREVIOUS.DROP
 
 # The text each parameter is compared with or written to: (table, column).
 COLUMNS = {
+    "token": ("fanout_itemclaim", "claim_token"),
     "result": ("fanout_itemclaim", "result"),
     "pool": ("fanout_itemclaim", "pool"),
     "owner": ("fanout_itemclaim", "owner"),
@@ -139,7 +140,8 @@ def text_type(connection, table, column):
         )
         row = cursor.fetchone()
     if row is None or not row[0] or not _NAME.match(row[0]) or not _NAME.match(row[1] or ""):
-        return "CHARACTER SET utf8mb4"  # MySQL's JSON type has no collation of its own
+        # Not text: MariaDB's UUID type (MySQL's claim token is CHAR(32), text), MySQL's JSON.
+        return "" if column == "claim_token" else "CHARACTER SET utf8mb4"
     return f"CHARACTER SET {row[0]} COLLATE {row[1]}"
 
 
