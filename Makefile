@@ -15,7 +15,9 @@ PYTEST_ARGS ?=
 # a SIGKILLed owner's item is reclaimed, limits stay exact across processes.
 RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
 	tests/test_slots.py tests/test_clock_skew.py tests/test_host_limit.py \
-	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py
+	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py \
+	tests/test_mariadb_clock.py tests/test_mariadb_collation.py tests/test_permanent_errors.py \
+	tests/test_retry_race.py tests/test_host_lock.py
 
 .PHONY: venv demo test test-mariadb matrix lint clean
 

@@ -27,6 +27,7 @@ from django.db.models import Count, F
 from . import transitions
 from .clock import db_now
 from .conf import conf, host_name
+from .errors import HostLockBusy
 from .models import BatchRun, CapacityPool, FailurePolicy, ItemClaim, ItemStatus, RunStatus
 from .pools import Headroom, headroom, refill
 from .transitions import ClaimedItem
@@ -103,6 +104,10 @@ def claim(
     return result
 
 
+# How long a claimer waits for its host's lock (MySQL's GET_LOCK; a claim holds it briefly).
+HOST_LOCK_WAIT_SECONDS = 60
+
+
 @contextlib.contextmanager
 def host_lock(host_limit: tuple[str, int] | None) -> Iterator[None]:
     """Serialise this host's claimers of one definition, so its host limit is exact.
@@ -118,7 +123,13 @@ def host_lock(host_limit: tuple[str, int] | None) -> Iterator[None]:
         if connection.vendor == "postgresql":
             cursor.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [name])
         else:
-            cursor.execute("SELECT GET_LOCK(%s, 60)", [name[:64]])
+            # 1: taken; 0: the wait ran out; NULL: an error. Without it the limit is not exact.
+            cursor.execute("SELECT GET_LOCK(%s, %s)", [name[:64], HOST_LOCK_WAIT_SECONDS])
+            if cursor.fetchone()[0] != 1:
+                raise HostLockBusy(
+                    f"host lock {name[:64]!r} not taken in {HOST_LOCK_WAIT_SECONDS}s: another "
+                    "claimer on this host holds it; nothing was claimed"
+                )
     try:
         yield
     finally:

@@ -3,7 +3,9 @@
 Hosts' clocks disagree; the database server is the one clock that every worker shares. In SQL,
 ``DbNow()`` is the server's time when the expression is evaluated (PostgreSQL's
 ``clock_timestamp()``, not ``now()``, which is frozen at the start of the transaction and is
-stale after a lock wait). In Python, ``db_now()`` asks the server.
+stale after a lock wait; MySQL's ``UTC_TIMESTAMP(6)``, not ``NOW()``, which is in the session's
+time zone, which Django's MySQL backend leaves as the server's while DATETIME columns hold UTC).
+In Python, ``db_now()`` asks the server.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ class DbNow(Now):
     def as_postgresql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
         return "clock_timestamp()", []
 
+    def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        # Django's Now() is CURRENT_TIMESTAMP(6) there: the session's zone, not the columns'.
+        return "UTC_TIMESTAMP(6)", []
+
 
 def db_now_plus(seconds: float) -> ExpressionWrapper:
     """``DbNow() + seconds`` as an expression."""
@@ -34,7 +40,7 @@ def db_now_plus(seconds: float) -> ExpressionWrapper:
 
 _SELECT_NOW = {
     "postgresql": "SELECT clock_timestamp()",
-    "mysql": "SELECT CURRENT_TIMESTAMP(6)",
+    "mysql": "SELECT UTC_TIMESTAMP(6)",
 }
 
 
@@ -47,6 +53,6 @@ def db_now() -> datetime:
         cursor.execute(sql)
         value = cursor.fetchone()[0]
     if timezone.is_naive(value):
-        # MySQL returns the session's time zone, which Django sets to UTC.
+        # MySQL's UTC_TIMESTAMP() is naive: it is UTC, as the DATETIME columns.
         value = timezone.make_aware(value, UTC)
     return value

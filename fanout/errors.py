@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from django.db import InterfaceError, OperationalError
+
 
 class PermanentError(Exception):
     """Raised by a handler: fail this item now, without further attempts."""
@@ -31,3 +33,55 @@ class DefinitionNotFound(FanoutError):
 
 class MaterializeError(FanoutError):
     """The work list could not be turned into items; nothing was run."""
+
+
+class HostLockBusy(OperationalError):
+    """A claimer could not take its host's lock (the host limit) in time: it claimed nothing,
+    and may try again."""
+
+
+# MySQL/MariaDB error codes that a retry may outlast: the server going away or restarting, a
+# transaction rolled back by a deadlock or a lock wait, a connection killed or refused.
+_MYSQL_TRANSIENT = frozenset(
+    {
+        1040,  # too many connections
+        1053,  # server shutdown in progress
+        1205,  # lock wait timeout exceeded
+        1213,  # deadlock found
+        1317,  # query execution was interrupted
+        1927,  # connection was killed (MariaDB)
+        2002,  # cannot connect through the socket
+        2003,  # cannot connect to the server
+        2006,  # server has gone away
+        2013,  # lost connection to the server during a query
+        2055,  # lost connection to the server at a system call
+        4031,  # disconnected by the server for inactivity (MySQL 8)
+    }
+)
+# PostgreSQL SQLSTATEs (by prefix) that a retry may outlast: connection exceptions, a
+# transaction rolled back (serialization failure, deadlock), too many connections or out of
+# resources, an administrator's or a crash's shutdown, a server not accepting connections yet.
+_POSTGRES_TRANSIENT = ("08", "40", "53", "55P03", "57P01", "57P02", "57P03")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database error may go away by itself (the server restarts, a deadlock).
+
+    Anything else (a missing procedure, an illegal mix of collations, an unknown column)
+    fails the same way however often it is retried: a worker must stop and say so.
+    """
+    if isinstance(exc, InterfaceError | HostLockBusy):
+        return True  # the connection is closed, or the lock is held: a new try may work
+    if not isinstance(exc, OperationalError):
+        return False
+    cause = exc.__cause__ or exc
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if sqlstate is not None:
+        return str(sqlstate).startswith(_POSTGRES_TRANSIENT)
+    code = cause.args[0] if cause.args else None
+    if isinstance(code, int):
+        # 2000-2999 are the client library's own: it could not reach or lost the server.
+        return code in _MYSQL_TRANSIENT or 2000 <= code < 3000
+    # No code at all: a driver that lost its connection (psycopg's "server closed the
+    # connection unexpectedly" has no SQLSTATE).
+    return True

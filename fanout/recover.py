@@ -38,7 +38,8 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
 
     One UPDATE whatever the count; only failed items (and those a fail_fast run cancelled
     unrun) are touched, so a completed item never runs again and no live lease is disturbed.
-    A finished run is reopened so its join runs again.
+    A finished run is reopened so its join runs again. Raises FanoutError, as
+    check_retryable does, if the run is no longer retryable once its row is locked.
     """
     from .nest import CHILD_FAILED
 
@@ -53,8 +54,11 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     for child in children:
         retry_failed(child)
     with transaction.atomic():
-        # Lock the run so a join cannot decide between our reopening and our items changing.
-        lock_run(run.pk)
+        # Lock the run so a join cannot decide between our reopening and our items changing,
+        # and decide under that lock: a cancel that committed since the caller looked stands.
+        locked = lock_run(run.pk)
+        run.status = locked["status"] if locked is not None else "deleted"
+        check_retryable(run)
         rewait = [c.parent_item_id for c in children if c.status == RunStatus.RUNNING]
         count = transitions.rewait(run.pk, rewait)
         count += transitions.reopen(qs.exclude(pk__in=rewait))

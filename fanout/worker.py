@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError, connection
+from django.db import DatabaseError, InterfaceError, OperationalError, connection
 
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut
+from .errors import is_transient
 from .join import maybe_join
 from .lease import LeaseKeeper
 from .models import CapacityPool, ItemClaim, RunStatus
@@ -25,6 +26,7 @@ from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
 from .signals import item_finished, pool_throttled, send
+from .supervise import note_stall
 from .telemetry import claim_took, item_spans, items_finished
 from .transitions import (
     RELEASED,
@@ -151,8 +153,25 @@ class Drain:
         """Drain until the run is finished, stopped or the deadline passes; say which."""
         try:
             return self._loop()
+        except DatabaseError as exc:
+            if is_transient(exc):
+                raise
+            return self._give_up(exc)
         finally:
             connection.close()
+
+    def _give_up(self, exc: DatabaseError) -> str:
+        """Stop on a database error that no retry mends, and say why on the run."""
+        reason = (
+            f"a database error that retrying will not mend ({type(exc).__name__}: {exc}); "
+            "workers stop draining the run until it is fixed"
+        )
+        connection.close()  # a fresh session to write the note with
+        try:
+            note_stall(self.run_id, reason)
+        except DatabaseError:
+            logger.exception("run %s: could not note why its drain stopped", self.run_id)
+        return f"stopped: {reason}"
 
     def _loop(self) -> str:
         # Items run but not yet recorded: they are recorded by the next claim or hand-over.
@@ -387,13 +406,18 @@ class Drain:
             _wake.wait(max(timeout, 0.005))
 
     def _db(self, op: Callable[[], T], give_up_after: float | None = None) -> T | None:
-        """Run ``op``; ride out a database that is restarting instead of losing the worker."""
+        """Run ``op``; ride out a database that is restarting instead of losing the worker.
+
+        An error that will never go away (see errors.is_transient) is raised: the drain stops.
+        """
         started = time.monotonic()
         pause = 0.1
         while True:
             try:
                 return op()
             except (OperationalError, InterfaceError) as exc:
+                if not is_transient(exc):
+                    raise
                 logger.warning("run %s: database unavailable (%s); retrying", self.run_id, exc)
                 connection.close()
                 if give_up_after is not None and time.monotonic() - started > give_up_after:
