@@ -119,6 +119,7 @@ def main(argv: list[str]) -> int:
                 h.workers.wait_ready(h.redis, since=h.redis_reset_at)
                 h.begin()
                 scenario(h, result)
+                h.counter_drift(result)
                 deadlocks = h.deadlocks()
                 result.figures["deadlocks"] = deadlocks
                 result.check(deadlocks == 0, f"{deadlocks} deadlocks between fanout transactions")
