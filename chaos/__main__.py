@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .badinput import bad_handlers, bad_input
-from .compensation import compensation
+from .compensation import compensate_killed, compensation
 from .compete import competing_parents
 from .crash import crash_parent, crash_workers
 from .deploy import deploy
@@ -21,8 +21,9 @@ from .harness import DEFAULT_DATABASE_URL, Harness, Options, Result
 from .infra import pg_restart, redis_flush, redis_stop
 from .nested import nested
 from .pool import exhausted_pool
+from .writing import pg_restart_writing, writer_killed
 
-# In the order they run; the PostgreSQL restart, which every client of the server sees, last.
+# In the order they run; the PostgreSQL restarts, which every client of the server sees, last.
 SCENARIOS: dict[str, Callable[[Harness, Result], None]] = {
     "compete": competing_parents,
     "crash-workers": crash_workers,
@@ -30,12 +31,15 @@ SCENARIOS: dict[str, Callable[[Harness, Result], None]] = {
     "deploy": deploy,
     "nested": nested,
     "compensation": compensation,
+    "writer-killed": writer_killed,
+    "compensate-killed": compensate_killed,
     "pool": exhausted_pool,
     "bad-handlers": bad_handlers,
     "bad-input": bad_input,
     "redis-flush": redis_flush,
     "redis-stop": redis_stop,
     "pg-restart": pg_restart,
+    "pg-restart-writing": pg_restart_writing,
 }
 
 
@@ -119,6 +123,7 @@ def main(argv: list[str]) -> int:
                 h.workers.wait_ready(h.redis, since=h.redis_reset_at)
                 h.begin()
                 scenario(h, result)
+                h.counter_drift(result)
                 deadlocks = h.deadlocks()
                 result.figures["deadlocks"] = deadlocks
                 result.check(deadlocks == 0, f"{deadlocks} deadlocks between fanout transactions")

@@ -179,3 +179,104 @@ def _check_run(
         f"({cut_total} cut off), {after} succeeded after the failure, "
         f"at once {overlap}/{limit}{order}"
     )
+
+
+def compensate_killed(h: Harness, result: Result) -> None:
+    """Cancelled with compensation (``run_fanout --cancel RUN --compensate``) while items run,
+    then every worker SIGKILLed at once and new ones started, with nobody watching the run.
+
+    The items the dead workers held are left with leases that run out while the run
+    compensates; the run must still end ``compensated``, every item that succeeded undone once
+    (again only when a kill cut its compensation off), nothing else undone.
+    """
+    from fanout.conf import conf
+    from fanout.definition import get_definition
+    from fanout.models import BatchRun, ItemClaim
+
+    from .deploy import RESTART_SLACK
+
+    assert h.workers is not None
+    n = h.scale(40, 24)
+    key = h.run_key("compensate-killed")
+    args = ["run_fanout", "chaos_comp_parallel", "--executor", "rq", "--no-wait"]
+    args += ["--param", f"n={n}", "--param", "sleep=[2.0,3.0]", "--param", "undo_sleep=[0.05,0.1]"]
+    code, _, err = h.manage([*args, "--run-key", key], "compensate-killed-start")
+    result.check(code == 0, f"run_fanout --no-wait exited {code}: {err.strip()[-300:]}")
+    run_id = h.run_id(key)
+
+    def counts() -> dict[str, int]:
+        rows = ItemClaim.objects.filter(run_id=run_id).values_list("status", flat=True)
+        found: dict[str, int] = defaultdict(int)
+        for status in rows:
+            found[status] += 1
+        return found
+
+    # The cancel waits at a barrier with Django set up, so that it lands while items run.
+    ready, go = h.logs / f"{key}.ready", h.logs / f"{key}.go"
+    cancel = ["run_fanout", "--cancel", str(run_id), "--compensate"]
+    canceller = h.parent(cancel, "cancel", barrier=(ready, go))
+    h.wait_files([ready], [canceller])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = durable(counts)
+        if now["succeeded"] >= 4 and now["running"] >= 2:
+            break
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("the run never had 4 items done and 2 running")
+    go.touch()
+    # Kill as soon as the cancel is committed, not once its process has exited (seconds later
+    # on a busy host: the items it cancelled under would be over).
+    deadline = time.monotonic() + 60
+    while durable(lambda: BatchRun.objects.get(pk=run_id).status) == "running":
+        if canceller.popen.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    held = durable(counts)["running"]
+    killed = h.workers.redeploy()
+    code, _, err = canceller.finish(60)
+    result.check(code == 0, f"run_fanout --cancel --compensate exited {code}: {err[-300:]}")
+    result.figures["at the kill"] = f"{held} running, {killed} workers killed"
+    result.check(held >= 1, "no item was running when every worker was killed")
+
+    lease = get_definition("chaos_comp_parallel").lease_seconds
+    timeout = lease + 2 * float(conf.SUPERVISE_SECONDS) + RESTART_SLACK + 30
+    begun = time.monotonic()
+    finished = h.wait_finished([run_id], timeout=timeout)
+    h.wait_handlers([run_id])
+    run = durable(lambda: BatchRun.objects.get(pk=run_id))
+    items = durable(lambda: list(ItemClaim.objects.filter(run_id=run_id)))
+    by_status: dict[str, int] = defaultdict(int)
+    for item in items:
+        by_status[item.status] += 1
+    done = by_status["compensated"]
+    result.figures["healed in"] = f"{time.monotonic() - begun:.0f}s" if finished else "-"
+    result.figures["items"] = ", ".join(f"{k} {v}" for k, v in sorted(by_status.items()))
+    result.check(
+        finished,
+        f"run {run_id} still {run.status} {timeout:.0f}s after the deploy "
+        f"({done} compensated; items {dict(by_status)})",
+    )
+    result.check(run.status == "compensated", f"the run ended {run.status}: {run.error[:200]}")
+    others = set(by_status) - {"compensated", "cancelled"}
+    result.check(not others, f"items ended {sorted(others)}")
+
+    fig = h.ledger([run_id])
+    fig.join_runs.pop(run_id, None)  # a cancelled run is compensated, never joined
+    h.judge(result, fig, lease=lease + float(conf.SUPERVISE_SECONDS) + RESTART_SLACK)
+    deaths = h.all_deaths()
+    forward = durable(lambda: calls([run_id]))
+    ran = {c.key for c in forward if c.ended is not None}
+    compensated = {i.key for i in items if i.status == "compensated"}
+    result.check(compensated <= ran, f"undone without having run: {sorted(compensated - ran)[:5]}")
+    undo: dict[str, list[Exec]] = defaultdict(list)
+    for c in durable(lambda: calls([run_id], "undo:")):
+        undo[c.key].append(c)
+    extra = set(undo) - compensated
+    result.check(not extra, f"compensations called for items not compensated: {sorted(extra)[:5]}")
+    twice = [
+        f"{k} {len(mine)} calls"
+        for k, mine in undo.items()
+        if mine[-1].ended is None or not all(cut_off(c, deaths) for c in mine[:-1])
+    ]
+    result.check(not twice, f"compensations not run exactly once: {twice[:4]}")

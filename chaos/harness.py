@@ -108,6 +108,8 @@ class Harness:
         self._children: list[Proc] = []
         self._seq = 0
         self._mark = (0, 0)
+        self._last_run = 0  # runs after this id are the scenario's
+        self._pool_drift: dict[str, int] = {}  # corrections each pool had before the scenario
 
     # ------------------------------------------------------------------ set up, tear down
 
@@ -161,9 +163,16 @@ class Harness:
             _drop_database(self.opts.database_url)
 
     def begin(self) -> None:
-        """Mark where this scenario's logs start."""
+        """Mark where this scenario's logs, runs and audit corrections start."""
+        from fanout.models import BatchRun, CapacityPool
+
         log = self.logs / "workers.log"
         self._mark = (log.stat().st_size if log.exists() else 0, len(self._children))
+        last = durable(lambda: BatchRun.objects.order_by("-pk").values_list("pk", flat=True)[:1])
+        self._last_run = last[0] if last else 0
+        self._pool_drift = durable(
+            lambda: dict(CapacityPool.objects.values_list("name", "counter_drift"))
+        )
 
     def end(self) -> None:
         """Stop what a scenario left behind: its parents, and its runs if still open."""
@@ -182,6 +191,43 @@ class Harness:
         )
         for run in open_runs:
             durable(lambda r=run: cancel_run(r, "cancelled by the chaos harness"))
+
+    def counter_drift(self, result: Result) -> None:
+        """Every counter of the scenario's runs and of every pool equals its rows, and the
+        workers' audit corrected none of them meanwhile (a correction hides a drift that was).
+
+        Read under each counter's lock, as the audit reads it: a count taken beside moving
+        items proves nothing.
+        """
+        from django.db import transaction
+
+        from fanout.audit import measure_pool, measure_run
+        from fanout.models import BatchRun, CapacityPool
+
+        def read() -> tuple[list[str], list[str]]:
+            found, corrected = [], []
+            runs = BatchRun.objects.filter(pk__gt=self._last_run).order_by("pk")
+            for pk, drift in runs.values_list("pk", "counter_drift"):
+                with transaction.atomic():
+                    counter, rows = measure_run(pk) or (0, 0)
+                if counter != rows:
+                    found.append(f"run {pk} in_flight {counter}, its rows {rows}")
+                if drift:
+                    corrected.append(f"run {pk} {drift}x")
+            for name, drift in CapacityPool.objects.values_list("name", "counter_drift"):
+                with transaction.atomic():
+                    counter, rows = measure_pool(name) or (0, 0)
+                if counter != rows:
+                    found.append(f"pool {name} in_flight {counter}, its rows {rows}")
+                if drift > self._pool_drift.get(name, 0):
+                    corrected.append(f"pool {name} {drift - self._pool_drift.get(name, 0)}x")
+            return found, corrected
+
+        found, corrected = durable(read)
+        result.figures["drift"] = len(found) + len(corrected)
+        result.check(not found, "counter drift: " + "; ".join(found[:4]))
+        audited = "; ".join(corrected[:4])
+        result.check(not corrected, f"counter drift corrected by the workers' audit: {audited}")
 
     def deadlocks(self) -> int:
         """Deadlocks PostgreSQL broke between fanout's transactions since ``begin``."""
@@ -205,11 +251,15 @@ class Harness:
         return f"chaos-{self.nonce}-{name}"
 
     def parent(
-        self, args: Sequence[str], name: str, barrier: tuple[Path, Path] | None = None
+        self,
+        args: Sequence[str],
+        name: str,
+        barrier: tuple[Path, Path] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Proc:
         """Start ``manage.py ARGS``; its output is kept in the log directory."""
         self._seq += 1
-        proc = spawn(args, f"{self._seq:02d}-{name}", self.env, self.logs, barrier)
+        proc = spawn(args, f"{self._seq:02d}-{name}", env or self.env, self.logs, barrier)
         self._children.append(proc)
         return proc
 

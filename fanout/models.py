@@ -101,6 +101,10 @@ class BatchRun(models.Model):
     stalled = models.TextField(blank=True, default="")
     # Supervision: until when one worker has taken it up (the fleet's election).
     tended_until = models.DateTimeField(null=True, blank=True)
+    # The supervisor's audit (fanout.audit): times in_flight differed from the rows and was
+    # corrected, and when it last was. Anything but 0 is a bug worth reporting.
+    counter_drift = models.PositiveIntegerField(default=0, db_default=0)
+    drift_noted_at = models.DateTimeField(null=True, blank=True)
     # A child run (Item.spawn): the item it decides. Its outcome becomes that item's.
     parent_item = models.OneToOneField(
         "ItemClaim",
@@ -304,6 +308,11 @@ class CapacityPool(models.Model):
     waiters = models.JSONField(default=dict, blank=True)
     # Set by Throttled(retry_after): nothing is admitted before this time.
     backoff_until = models.DateTimeField(null=True, blank=True)
+    # The supervisor's audit (fanout.audit): until when one supervisor has taken the pool up
+    # (at most one audit per period), and the times in_flight differed from the rows.
+    audited_until = models.DateTimeField(null=True, blank=True)
+    counter_drift = models.PositiveIntegerField(default=0, db_default=0)
+    drift_noted_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 

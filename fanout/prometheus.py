@@ -7,6 +7,9 @@
 - ``fanout_items{definition, status}``: items of open runs (0 for a status none is in).
 - ``fanout_pool_in_flight{pool}`` and ``fanout_pool_limit{pool}``: items of each pool running
   now, across every run and host, and the pool's max_concurrency.
+- ``fanout_counter_drift_total{kind, name}``: in-flight counters the supervisor's audit found
+  different from their rows and corrected, each pool's (``kind="pool"``) and runs' by definition
+  (``kind="run"``), as recorded on the rows. Anything but 0 is a bug worth reporting.
 
 Claim latency is measured in each worker process, not in the rows: it is the OpenTelemetry
 histogram ``fanout.claim.duration`` (see fanout.telemetry).
@@ -22,17 +25,17 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidde
 from django.views.decorators.cache import never_cache
 
 from .conf import conf
-from .telemetry import item_counts, pool_figures, read_rows
+from .telemetry import drift_figures, item_counts, pool_figures, read_rows
 
 
 class FanoutCollector:
-    """A prometheus_client collector that reads fanout's rows on each scrape (two queries)."""
+    """A prometheus_client collector that reads fanout's rows on each scrape (four queries)."""
 
     def describe(self) -> list[Any]:
         return []  # nothing to read when it is registered
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         items = GaugeMetricFamily(
             "fanout_items",
@@ -52,9 +55,17 @@ class FanoutCollector:
         for name, running, max_concurrency in read_rows(pool_figures, []):
             in_flight.add_metric([name], running)
             limit.add_metric([name], max_concurrency)
+        drift = CounterMetricFamily(
+            "fanout_counter_drift",
+            "In-flight counters found different from their rows and corrected by the audit.",
+            labels=["kind", "name"],
+        )
+        for kind, name, n in read_rows(drift_figures, []):
+            drift.add_metric([kind, name], n)
         yield items
         yield in_flight
         yield limit
+        yield drift
 
 
 def allowed(request: HttpRequest) -> bool:

@@ -10,6 +10,9 @@ UPDATE (the fleet's election: each run is looked at by one process at a time), a
 - a run whose items are all finished is joined, and a join whose worker died (its lease ran
   out) or that raised (its retry is due) is taken over.
 
+After tending, it audits the in_flight counters of the runs it took and of a few pools (each
+pool by one supervisor per period) against their rows, and corrects any drift (fanout.audit).
+
 It needs no cron and no parent, and Redis may lose everything: the rows say what to do.
 """
 
@@ -23,6 +26,7 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 from redis.exceptions import RedisError
 
+from .audit import audit
 from .clock import DbNow, db_now_plus
 from .conf import conf, host_name
 from .models import BatchRun, ItemClaim, RunStatus
@@ -122,11 +126,13 @@ def clear_stall(run_id: int) -> None:
 def sweep() -> list[tuple[int, str]]:
     """One round: take runs and tend each; a failure on one run does not stop the others."""
     done = []
-    for run_id in take_runs():
+    taken = take_runs()
+    for run_id in taken:
         try:
             done.append((run_id, tend(run_id)))
         except Exception:
             logger.exception("run %s: supervision failed", run_id)
+    audit(taken)  # the counters of what it took up, and of the pools it is elected to
     return done
 
 

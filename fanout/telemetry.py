@@ -12,7 +12,9 @@
   status: the ``item_finished`` signal's events), ``fanout.claim.duration`` (seconds a worker's
   claim or hand-over took, by definition), and, in a process that called ``observe_rows()``,
   gauges read from the rows: ``fanout.items`` (items of open runs by definition and status),
-  ``fanout.pool.in_flight`` and ``fanout.pool.limit``.
+  ``fanout.pool.in_flight`` and ``fanout.pool.limit``; ``fanout.counter_drift`` (in-flight
+  counters the supervisor's audit found different from their rows and corrected, by ``kind``,
+  run or pool, and ``name``, the run's definition or the pool: anything but 0 is a bug).
 
 Spans and metrics go to the global tracer and meter providers (the application's SDK
 configuration), or to those given to ``configure()``.
@@ -29,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError, connection
-from django.db.models import Count
+from django.db.models import Count, Sum
 
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from .transitions import FAILED, RETRY, SUCCEEDED, ClaimedItem, ExecutionOutcome
@@ -200,6 +202,12 @@ class _Instruments:
             unit="s",
             description="How long a worker's claim (or hand-over) of items took, by definition.",
             explicit_bucket_boundaries_advisory=CLAIM_BUCKETS,
+        )
+        self.drift = meter.create_counter(
+            "fanout.counter_drift",
+            unit="{correction}",
+            description="In-flight counters found different from their rows and corrected, "
+            "by kind (run or pool) and name (the run's definition, or the pool).",
         )
         self.attributes: dict[tuple[str, str], dict[str, str]] = {}
 
@@ -428,6 +436,26 @@ def claim_took(definition: str, path: str, seconds: float) -> None:
     instruments = _instruments()
     if instruments is not None:
         instruments.claim.record(seconds, instruments.labels(definition, "path", path))
+
+
+def counter_drifted(kind: str, name: str) -> None:
+    """Count one counter the audit corrected: a ``kind`` ("run" or "pool") and its ``name``."""
+    instruments = _instruments()
+    if instruments is not None:
+        instruments.drift.add(1, {"kind": kind, "name": name})
+
+
+def drift_figures() -> list[tuple[str, str, int]]:
+    """(kind, name, corrections) so far: every pool's, and runs' summed by definition."""
+    runs = (
+        BatchRun.objects.filter(counter_drift__gt=0)
+        .order_by()
+        .values("definition")
+        .annotate(n=Sum("counter_drift"))
+        .values_list("definition", "n")
+    )
+    pools = CapacityPool.objects.order_by("name").values_list("name", "counter_drift")
+    return [("run", d, int(n)) for d, n in sorted(runs)] + [("pool", p, n) for p, n in pools]
 
 
 # --- gauges read from the rows --------------------------------------------------------------

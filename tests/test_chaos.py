@@ -43,6 +43,6 @@ def test_every_chaos_scenario_passes_with_few_items(tmp_path: Path) -> None:
     failed = {s["name"]: s["failures"] for s in figures["scenarios"] if not s["passed"]}
     assert not failed, done.stdout
     count = len(figures["scenarios"])
-    assert count == 12, done.stdout
+    assert count == 15, done.stdout
     assert done.stdout.strip().splitlines()[-1] == f"{count} passed, 0 failed"
     assert done.returncode == 0

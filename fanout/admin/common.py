@@ -108,6 +108,19 @@ def time_field(name: str, description: str) -> Callable[[Any, Any], str]:
     return show
 
 
+@admin.display(description="counter audit")
+def counter_drift_display(model_admin: Any, obj: Any) -> str:
+    """What the supervisor's audit found on a run's or pool's in_flight counter."""
+    if not obj.counter_drift:
+        return "no drift found"
+    return format_html(
+        '<span class="fanout-drift">in_flight differed from the rows and was corrected {}, '
+        "last at {}: a bug worth reporting (see the warnings logged)</span>",
+        "once" if obj.counter_drift == 1 else f"{obj.counter_drift:,} times",
+        timestamp(obj.drift_noted_at),
+    )
+
+
 class PageChangeList(ChangeList):
     """A changelist whose admin reads what its columns show for the whole page at once."""
 

@@ -15,7 +15,15 @@ from django.utils.html import format_html
 from ..models import CapacityPool, ItemClaim, ItemStatus
 from ..text import plural
 from ..waiting import pool_state
-from .common import LOCATIONS, FanoutAdmin, action, gauge, items_url, time_field
+from .common import (
+    LOCATIONS,
+    FanoutAdmin,
+    action,
+    counter_drift_display,
+    gauge,
+    items_url,
+    time_field,
+)
 
 
 @admin.register(CapacityPool)
@@ -36,6 +44,7 @@ class CapacityPoolAdmin(FanoutAdmin):
             "Limits",
             {"fields": ("max_concurrency", ("rate_count", "rate_period"), "burst")},
         ),
+        ("Counter audit", {"fields": ("counter_drift_display",)}),
         (
             "Admission state (written by workers)",
             {
@@ -49,7 +58,15 @@ class CapacityPoolAdmin(FanoutAdmin):
             },
         ),
     )
-    worker_fields = ("tokens", "tokens_refilled", "backoff", "waiters", "created", "updated")
+    worker_fields = (
+        "tokens",
+        "tokens_refilled",
+        "backoff",
+        "waiters",
+        "created",
+        "updated",
+        "counter_drift_display",
+    )
     editable_fields = ("name", "max_concurrency", "rate_count", "rate_period", "burst")
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
@@ -122,6 +139,7 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     # ------------------------------------------------------------------ columns
 
+    counter_drift_display = counter_drift_display
     tokens_refilled = time_field("tokens_at", "tokens counted at")
     backoff = time_field("backoff_until", "backing off until")
     created = time_field("created_at", "created")

@@ -37,6 +37,7 @@ from .common import (
     FanoutAdmin,
     action,
     clipped,
+    counter_drift_display,
     gauge,
     items_url,
     json_block,
@@ -124,6 +125,7 @@ class BatchRunAdmin(FanoutAdmin):
                 "fields": (
                     ("total_items", "materialized_upto"),
                     ("in_flight", "stalled"),
+                    "counter_drift_display",
                     ("materialize_token", "materialize_lease_expires"),
                     ("join_token", "join_lease_expires"),
                     ("join_runs", "join_failures"),
@@ -153,6 +155,7 @@ class BatchRunAdmin(FanoutAdmin):
         "join_lease_expires",
         "in_flight",
         "stalled",
+        "counter_drift_display",
         "join_runs",
         "join_failures",
     )
@@ -273,6 +276,7 @@ class BatchRunAdmin(FanoutAdmin):
             },
         )
 
+    counter_drift_display = counter_drift_display
     started = time_field("started_at", "started")
     created = time_field("created_at", "created")
     materialize_lease_expires = time_field(
@@ -352,6 +356,7 @@ class BatchRunAdmin(FanoutAdmin):
                 if s in counts
             ],
             "join_result_json": json.dumps(run.join_result, indent=2),
+            "counter_drift": counter_drift_display(self, run) if run.counter_drift else "",
             "failures": [
                 {
                     "group": g,
