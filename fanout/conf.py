@@ -43,6 +43,8 @@ DEFAULTS: dict[str, Any] = {
     "OTEL_ITEM_SAMPLE_RATE": 0.01,
     # A bearer token that may read fanout.prometheus.metrics_view besides staff users.
     "METRICS_TOKEN": None,
+    # Finished runs the workers' supervisors delete, by status: {"succeeded": "30d"}; off if empty.
+    "RETENTION": {},
 }
 
 
@@ -73,6 +75,7 @@ class Settings:
     JOIN_LEASE_SECONDS: float
     OTEL_ITEM_SAMPLE_RATE: float
     METRICS_TOKEN: str | None
+    RETENTION: dict[str, str]
 
 
 conf = Settings()

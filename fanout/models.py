@@ -97,6 +97,8 @@ class BatchRun(models.Model):
     # Compensations running now (a FanOut's compensate=): their own budget, under this lock.
     compensating = models.PositiveIntegerField(default=0, db_default=0)
     error = models.TextField(blank=True)
+    # Its items by status when they were pruned and the run kept (fanout_prune --keep-runs).
+    item_counts = models.JSONField(null=True, blank=True)
     # Why no worker could run it (a misconfigured or outdated worker), until one does.
     stalled = models.TextField(blank=True, default="")
     # Supervision: until when one worker has taken it up (the fleet's election).

@@ -30,6 +30,7 @@ from .audit import audit
 from .clock import DbNow, db_now_plus
 from .conf import conf, host_name
 from .models import BatchRun, ItemClaim, RunStatus
+from .prune import prune_by_retention
 
 logger = logging.getLogger("fanout")
 
@@ -136,6 +137,15 @@ def sweep() -> list[tuple[int, str]]:
     return done
 
 
+def prune_round() -> None:
+    """Delete a bounded batch of runs past FANOUT_RETENTION (nothing when it is not set)."""
+    pruned = prune_by_retention()
+    if pruned.roots:
+        logger.info(
+            "pruned %d finished runs (%d items) past FANOUT_RETENTION", pruned.runs, pruned.items
+        )
+
+
 class Supervisor:
     """A daemon thread that sweeps every FANOUT_SUPERVISE_SECONDS (with jitter) until stopped."""
 
@@ -156,6 +166,7 @@ class Supervisor:
                 try:
                     close_old_connections()
                     sweep()
+                    prune_round()
                 except Exception:  # the database or Redis is down: the next round tries again
                     logger.exception("supervision round failed")
                     connection.close()

@@ -135,7 +135,8 @@ def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
 
 
 def _stalled(run: BatchRun, activity: RunActivity, now: datetime) -> str:
-    since = max(t for t in (activity.last_claimed_at, run.started_at) if t is not None)
+    known = (activity.last_claimed_at, run.started_at)
+    since = max((t for t in known if t is not None), default=run.created_at)
     if now - since < STALLED_AFTER:
         return ""
     idle = f"{STALLED} nothing running, no item claimed for {human_duration(now - since)}"
