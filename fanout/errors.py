@@ -31,3 +31,7 @@ class DefinitionNotFound(FanoutError):
 
 class MaterializeError(FanoutError):
     """The work list could not be turned into items; nothing was run."""
+
+
+class EmptyWorkList(MaterializeError):
+    """The work list was empty and its definition refuses that (``allow_empty=False``)."""
