@@ -156,7 +156,7 @@ def test_a_pool_that_definitions_name_but_that_exists_nowhere_is_warned_before_a
     assert problems[0].hint.startswith("add it to FANOUT_POOLS")
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # MariaDB/MySQL cannot roll DDL back
 @override_settings(FANOUT_POOLS={"known": {"max_concurrency": 2}})
 def test_the_pool_check_before_migrate_treats_a_missing_table_as_no_pool_rows(
     defines_pools: Callable[..., None],
