@@ -63,3 +63,33 @@ def test_the_sdist_carries_the_licence(dist: Path) -> None:
 
     assert "LICENSE" in names
     assert "fanout/migrations/0001_initial.py" in names
+
+
+def make_dry_run(target: str, venv: Path) -> str:
+    """What `make TARGET` would run on a machine without the virtualenv yet (make -n)."""
+    done = subprocess.run(
+        ["make", "-n", target, f"VENV={venv}"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.stdout
+
+
+def test_make_demo_installs_only_the_package_and_its_example_extra_and_never_apt_get(
+    tmp_path: Path,
+) -> None:
+    demo = make_dry_run("demo", tmp_path / "venv")
+
+    installs = [line for line in demo.splitlines() if "pip install" in line and " -e " in line]
+    assert installs == [f'{tmp_path / "venv"}/bin/python -m pip install -qq -e ".[example]"']
+    assert "apt" not in demo and "mysql-build-deps" not in demo and "test-deps" not in demo
+
+
+def test_make_test_installs_the_development_environment(tmp_path: Path) -> None:
+    test = make_dry_run("test", tmp_path / "venv")
+
+    assert "scripts/mysql-build-deps.sh" in test
+    assert "extras=dev,mysql" in test
