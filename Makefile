@@ -3,7 +3,11 @@
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# Two installs: the demo's (the package and the example project's one extra) and the rest of
+# the development environment (tests, browser, nox, mypy, the mysql extra), which only
+# `make test` and its kin need.
+DEMO_STAMP := $(VENV)/.demo
+STAMP      := $(VENV)/.installed
 
 # Services used by the tests; override on the command line or in the environment.
 TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
@@ -23,8 +27,8 @@ RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq
 
 venv: $(STAMP)
 
-# Reinstall when the dependencies change, or once the package first appears.
-$(STAMP): pyproject.toml $(wildcard fanout/__init__.py)
+# The virtualenv on a Python >= 3.12: recreated when it uses an older (or a broken) one.
+define MAKE_VENV
 	@if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then \
 		echo "$(VENV) uses a Python older than 3.12 (or a broken one): recreating it"; \
 		rm -rf $(VENV); \
@@ -35,15 +39,27 @@ $(STAMP): pyproject.toml $(wildcard fanout/__init__.py)
 		"$$python" -m venv $(VENV) || exit 1; \
 	fi
 	$(PY) -m pip install -qq --upgrade pip
+endef
+
+# Reinstall when the dependencies change, or once the package first appears.
+# The demo: the package and the example extra only; never apt-get.
+$(DEMO_STAMP): pyproject.toml $(wildcard fanout/__init__.py)
+	$(MAKE_VENV)
+	$(PY) -m pip install -qq -e ".[example]"
+	@touch $@
+
+# Everything else the tests need (a superset of the demo's install).
+$(STAMP): pyproject.toml $(wildcard fanout/__init__.py)
+	$(MAKE_VENV)
 	@# The mysql extra (mysqlclient) compiles against system packages: install them if we can.
 	@if scripts/mysql-build-deps.sh; then extras=dev,mysql; else \
 		echo "installing without the mysql extra: make test-mariadb will not run"; extras=dev; fi; \
 	echo "$(PY) -m pip install -qq -e '.[$$extras]'"; \
 	$(PY) -m pip install -qq -e ".[$$extras]"
-	@touch $@
+	@touch $@ $(DEMO_STAMP)
 
 # DATABASE_URL is passed through as given; unset means SQLite (db.sqlite3) from the settings.
-demo: venv
+demo: $(DEMO_STAMP)
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py run_fanout thumbnails
 

@@ -203,3 +203,68 @@ def check_isolation(app_configs: Any = None, databases: Any = None, **kwargs: An
                 )
             )
     return problems
+
+
+def pools_named_by(definition: Any) -> set[str]:
+    """The pools a definition names by name (a Group's Steps too); per-item pools are not."""
+    named = {definition.static_pool} if definition.static_pool else set()
+    for member in getattr(definition, "members", {}).values():
+        if isinstance(getattr(member, "pool", None), str):
+            named.add(member.pool)
+    return named
+
+
+def _pool_rows() -> list[Any] | None:
+    """Every CapacityPool row; [] before migrate made the table; None if unreadable now."""
+    from django.db import DatabaseError, connection
+
+    from .models import CapacityPool
+
+    try:
+        if CapacityPool._meta.db_table not in connection.introspection.table_names():
+            return []  # checks run before migrate, too
+        return list(CapacityPool.objects.all())
+    except (DatabaseError, RuntimeError):  # no database now (or a test that forbids it)
+        return None
+
+
+@register("fanout")
+def check_pools(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """A pool that definitions name must exist somewhere; a row that differs from
+    FANOUT_POOLS wins, and that must not pass silently."""
+    from .definition import registered
+    from .pools import configured_limits, settings_drift
+
+    rows = _pool_rows()
+    if rows is None or not isinstance(conf.POOLS, dict):
+        return []
+    problems: list[Any] = []
+    existing = {pool.name for pool in rows}
+    for name, definition in sorted(registered().items()):
+        for pool in sorted(pools_named_by(definition) - existing):
+            try:
+                if configured_limits(pool) is not None:
+                    continue
+            except FanoutError:
+                continue  # fanout.E002 says what is wrong with its entry
+            problems.append(
+                Warning(
+                    f"fan-out {name!r} names pool {pool!r}, which exists nowhere: neither in "
+                    "FANOUT_POOLS nor as a pool row; its runs fail at start",
+                    hint=f'add it to FANOUT_POOLS (e.g. "{pool}": {{"max_concurrency": 10}}) '
+                    "or create it in the admin",
+                    id="fanout.W006",
+                )
+            )
+    for pool in sorted(rows, key=lambda p: p.name):
+        drift = settings_drift(pool)
+        if drift:
+            problems.append(
+                Warning(
+                    drift,
+                    hint="run manage.py fanout_pools --sync to apply FANOUT_POOLS to the row, "
+                    "or change FANOUT_POOLS to match the row",
+                    id="fanout.W007",
+                )
+            )
+    return problems

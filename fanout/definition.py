@@ -145,6 +145,7 @@ class FanOut:
         compensate_order: str = "reverse",
         compensate_max_parallel: int | None = None,
         host_max_parallel: int | None = None,
+        allow_empty: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise FanoutError(
@@ -231,6 +232,9 @@ class FanOut:
         self.compensate_order = compensate_order
         self.compensate_max_parallel = compensate_max_parallel
         self.host_max_parallel = host_max_parallel
+        # False: a work list that comes out empty (a mistyped param, say) is an error, not a
+        # run that succeeds having done nothing.
+        self.allow_empty = bool(allow_empty)
 
         previous = _registry.get(name)
         if previous is not None and previous.module != self.module:

@@ -85,3 +85,7 @@ def is_transient(exc: BaseException) -> bool:
     # No code at all: a driver that lost its connection (psycopg's "server closed the
     # connection unexpectedly" has no SQLSTATE).
     return True
+
+
+class EmptyWorkList(MaterializeError):
+    """The work list was empty and its definition refuses that (``allow_empty=False``)."""

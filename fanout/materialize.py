@@ -23,7 +23,7 @@ from . import transitions
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .definition import FanOut, Item
-from .errors import FanoutError, MaterializeError
+from .errors import EmptyWorkList, FanoutError, MaterializeError
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
@@ -164,6 +164,11 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
         # With DEBUG on, Django keeps every query's SQL: a million items must not pile up there.
         connection.queries_log.clear()
         chunk = list(islice(elements, chunk_size))
+        if not chunk and index == 0 and not definition.allow_empty:
+            raise EmptyWorkList(
+                f"the work list of {definition.name!r} is empty, and the definition refuses an "
+                "empty work list (allow_empty=False): no run was made; check the params"
+            )
         if not chunk:
             return index
         index = chunk[-1][0] + 1

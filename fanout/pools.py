@@ -164,3 +164,34 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
             return Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
         free = min(free, tokens)
     return Headroom(free)
+
+
+_DRIFT_FIELDS = ("max_concurrency", "rate_count", "rate_period", "burst")
+
+
+def settings_drift(pool: CapacityPool) -> str:
+    """Say how the pool's row differs from its FANOUT_POOLS entry, or "" when it does not.
+
+    The row wins (an operator's edit in the admin persists); this only makes the difference
+    visible in `check`, in run_fanout and on the pool's admin page.
+    """
+    try:
+        limits = configured_limits(pool.name)
+    except FanoutError:
+        return ""  # a malformed entry is check's fanout.E002
+    if limits is None:
+        return ""
+    wanted = CapacityPool(name=pool.name, **limits)
+    differs = []
+    if pool.max_concurrency != wanted.max_concurrency:
+        differs.append(
+            f"max_concurrency {pool.max_concurrency} (FANOUT_POOLS: {wanted.max_concurrency})"
+        )
+    if any(getattr(pool, f) != getattr(wanted, f) for f in _DRIFT_FIELDS[1:]):
+        differs.append(f"rate {pool.describe_rate()} (FANOUT_POOLS: {wanted.describe_rate()})")
+    if not differs:
+        return ""
+    return (
+        f"pool {pool.name!r} differs from FANOUT_POOLS: {', '.join(differs)}; "
+        "the pool's row wins"
+    )

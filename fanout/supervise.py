@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from typing import Any
 
 from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
@@ -35,6 +36,9 @@ from .prune import prune_by_retention
 logger = logging.getLogger("fanout")
 
 RUNS_PER_SWEEP = 20
+# A stalled run's re-dispatch is held back this long, doubled per re-dispatch, at most the cap.
+STALL_BACKOFF = 2.0
+STALL_BACKOFF_MAX = 60.0
 
 
 def take_runs(limit: int = RUNS_PER_SWEEP) -> list[int]:
@@ -95,7 +99,7 @@ def redispatch(run: BatchRun) -> str:
     """Free the run's dead drain slots, record why they died, and fill the empty ones."""
     from .definition import get_definition
     from .errors import FanoutError
-    from .rq import enqueue_drains, reap_slots
+    from .rq import enqueue_drains, get_queue, reap_slots
 
     try:
         definition = get_definition(run.definition)
@@ -106,6 +110,9 @@ def redispatch(run: BatchRun) -> str:
         failures = reap_slots(run, definition)
         if failures:
             note_stall(run.pk, failures[-1])
+        held = _stall_hold(get_queue(definition).connection, run.pk, bool(failures or run.stalled))
+        if held:
+            return f"stalled: re-dispatch held back {held:.1f} s more"
         enqueued = enqueue_drains(run, definition)
     except (FanoutError, RedisError) as exc:
         # Redis is down or restarting: the rows keep the run; the next round tries again.
@@ -114,10 +121,43 @@ def redispatch(run: BatchRun) -> str:
     return f"re-dispatched {enqueued} drain jobs"
 
 
+def _stall_hold(conn: Any, run_id: int, stalled: bool) -> float:
+    """Seconds a stalled run's re-dispatch is still held back; 0.0 to go ahead now.
+
+    Each re-dispatch of a stalled run holds the next one back twice as long as the last, up to
+    STALL_BACKOFF_MAX: a worker that cannot run it is not fed a job every round. Redis keeps
+    the count; losing it only starts the backoff over.
+    """
+    count_key, hold_key = f"fanout:stall:{run_id}:count", f"fanout:stall:{run_id}:hold"
+    if not stalled:
+        conn.delete(count_key, hold_key)
+        return 0.0
+    left = conn.pttl(hold_key)
+    if left > 0:
+        return left / 1000
+    n = conn.incr(count_key)
+    conn.expire(count_key, 86400)
+    delay = min(STALL_BACKOFF_MAX, STALL_BACKOFF * 2 ** (n - 1))
+    if not conn.set(hold_key, n, nx=True, px=int(delay * 1000)):
+        return max(conn.pttl(hold_key), 1) / 1000  # another supervisor went ahead just now
+    return 0.0
+
+
 def note_stall(run_id: int, reason: str) -> None:
-    """Say on the run why no worker could run it; cleared once one does."""
-    logger.error("run %s: %s", run_id, reason)
-    BatchRun.objects.filter(pk=run_id).exclude(stalled=reason[:4000]).update(stalled=reason[:4000])
+    """Say on the run why no worker could run it; cleared once one does. Logged once per
+    stall (by whoever writes it first), not on every re-dispatch that meets it again."""
+    reason = reason[:4000]
+    if BatchRun.objects.filter(pk=run_id, stalled="").update(stalled=reason):
+        logger.error(
+            "run %s stalls: %s; re-dispatched with backoff (%g s, doubling up to %g s) until "
+            "a worker runs it",
+            run_id,
+            reason,
+            STALL_BACKOFF,
+            STALL_BACKOFF_MAX,
+        )
+        return
+    BatchRun.objects.filter(pk=run_id).exclude(stalled=reason).update(stalled=reason)
 
 
 def clear_stall(run_id: int) -> None:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 from django.conf import settings
 from django.core.checks import Error, Warning, run_checks
-from django.test import override_settings
+from django.db import connection
+from django.test import Client, override_settings
+from django.urls import reverse
 
-from fanout.checks import check_admin_needs
+from fanout import FanOut, Group, Step
+from fanout.checks import check_admin_needs, check_pools
+from fanout.definition import _registry
+from fanout.models import CapacityPool
+from fanout.pools import settings_drift
 from fanout.rq import FanoutWorker
 
 WITHOUT_FILTERS = [app for app in settings.INSTALLED_APPS if app != "django_filters"]
@@ -106,3 +114,105 @@ def test_a_stricter_isolation_level_than_read_committed_is_an_error() -> None:
     finally:
         options.clear()
         options.update(saved)
+
+
+@pytest.fixture
+def defines_pools() -> Iterator[Callable[..., None]]:
+    """Register definitions for one test only: a name no other test's registry expects."""
+    names: list[str] = []
+
+    def define(name: str, **options: Any) -> None:
+        if "steps" in options:
+            Group(name, **options)
+        else:
+            FanOut(name, over=lambda params: [], do=lambda item: None, **options)
+        names.append(name)
+
+    yield define
+    for name in names:
+        _registry.pop(name, None)
+
+
+@pytest.mark.django_db
+@override_settings(FANOUT_POOLS={"known": {"max_concurrency": 2}})
+def test_a_pool_that_definitions_name_but_that_exists_nowhere_is_warned_before_any_run(
+    defines_pools: Callable[..., None],
+) -> None:
+    CapacityPool.objects.create(name="made_in_the_admin", max_concurrency=1)
+    defines_pools("check_ghost", pool="ghost_pool")
+    defines_pools("check_known", pool="known")
+    defines_pools("check_admin_made", pool="made_in_the_admin")
+    defines_pools("check_group", steps={"mail": Step(lambda item: None, pool="ghost_smtp")})
+
+    problems = [m for m in check_pools() if m.id == "fanout.W006" and "'check_" in m.msg]
+
+    assert sorted(m.msg for m in problems) == [
+        "fan-out 'check_ghost' names pool 'ghost_pool', which exists nowhere: "
+        "neither in FANOUT_POOLS nor as a pool row; its runs fail at start",
+        "fan-out 'check_group' names pool 'ghost_smtp', which exists nowhere: "
+        "neither in FANOUT_POOLS nor as a pool row; its runs fail at start",
+    ]
+    assert all(isinstance(m, Warning) for m in problems)
+    assert problems[0].hint.startswith("add it to FANOUT_POOLS")
+
+
+@pytest.mark.django_db(transaction=True)  # MariaDB/MySQL cannot roll DDL back
+@override_settings(FANOUT_POOLS={"known": {"max_concurrency": 2}})
+def test_the_pool_check_before_migrate_treats_a_missing_table_as_no_pool_rows(
+    defines_pools: Callable[..., None],
+) -> None:
+    defines_pools("check_before_migrate", pool="ghost_pool")
+    defines_pools("check_known_before_migrate", pool="known")
+    with connection.schema_editor() as editor:
+        editor.delete_model(CapacityPool)
+    try:
+        problems = [m.msg for m in check_pools() if m.id == "fanout.W006" and "'check_" in m.msg]
+    finally:
+        with connection.schema_editor() as editor:
+            editor.create_model(CapacityPool)
+
+    assert [p.split(",")[0] for p in problems] == [
+        "fan-out 'check_before_migrate' names pool 'ghost_pool'"
+    ]
+
+
+@pytest.mark.django_db
+@override_settings(
+    FANOUT_POOLS={"payments": {"max_concurrency": 5, "rate": "50/s"}, "same": {"rate": "9/m"}}
+)
+def test_pool_rows_that_differ_from_fanout_pools_are_warned_and_the_row_is_said_to_win() -> None:
+    payments = CapacityPool.objects.create(
+        name="payments", max_concurrency=10, rate_count=100, rate_period=60.0
+    )
+    CapacityPool.objects.create(name="same", max_concurrency=10, rate_count=9, rate_period=60.0)
+
+    (problem,) = [m for m in check_pools() if m.id == "fanout.W007"]
+
+    assert isinstance(problem, Warning)
+    assert problem.msg == settings_drift(payments) == (
+        "pool 'payments' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5), "
+        "rate 100/60s (burst 100) (FANOUT_POOLS: 50/1s (burst 50)); the pool's row wins"
+    )
+    assert problem.hint == (
+        "run manage.py fanout_pools --sync to apply FANOUT_POOLS to the row, or change "
+        "FANOUT_POOLS to match the row"
+    )
+    assert settings_drift(CapacityPool.objects.get(name="same")) == ""
+
+
+@pytest.mark.django_db
+@override_settings(FANOUT_POOLS={"payments": {"max_concurrency": 5}})
+def test_the_pools_admin_page_says_when_its_row_differs_from_fanout_pools(
+    admin_client: Client,
+) -> None:
+    pool = CapacityPool.objects.create(name="payments", max_concurrency=10)
+    page = reverse("admin:fanout_capacitypool_change", args=[pool.pk])
+
+    shown = [str(m) for m in admin_client.get(page).context["messages"]]
+
+    assert shown == [
+        "pool 'payments' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5); the "
+        "pool's row wins: manage.py fanout_pools --sync applies FANOUT_POOLS"
+    ]
+    CapacityPool.objects.filter(pk=pool.pk).update(max_concurrency=5)
+    assert list(admin_client.get(page).context["messages"]) == []

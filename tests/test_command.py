@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.core.management.base import OutputWrapper
+from django.test import override_settings
 from django.utils import timezone
 
 from fanout.definition import registered
-from fanout.models import BatchRun, RunStatus
+from fanout.models import BatchRun, CapacityPool, RunStatus
 from fanout.report import Snapshot
 from fanout.watch import Progress
 from tests import procs
@@ -172,6 +173,9 @@ def test_resuming_a_finished_run_reports_it_without_running_anything() -> None:
         (["t_strict", "--param", "n=1", "--param", "colour=red"], 2, "has no param 'colour'"),
         (["t_strict"], 2, "needs param 'n'"),
         (["--resume", "999999"], 2, "there is no run 999999"),
+        (["t_refuse_empty", "--param", "n=0"], 3, "the work list of 't_refuse_empty' is empty"),
+        (["t_refuse_empty", "--param", "n=2"], 0, ""),
+        (["comp_parallel", "--param", "n=3", "--param", 'failing=["s00002"]'], 4, "compensated"),
     ],
     ids=[
         "succeeded",
@@ -183,6 +187,9 @@ def test_resuming_a_finished_run_reports_it_without_running_anything() -> None:
         "unknown-param",
         "missing-param",
         "resume-unknown-run",
+        "empty-work-list-refused",
+        "work-list-not-empty",
+        "compensated",
     ],
 )
 def test_the_exit_code_says_how_the_command_ended(
@@ -192,8 +199,26 @@ def test_the_exit_code_says_how_the_command_ended(
 
     assert done.returncode == code, done.stderr
     assert message in done.stderr
-    if code == 2:
+    if code in (2, 3):
         assert not BatchRun.objects.exists()
+    if code != 2:
+        # How a run ended is not the command breaking: no "CommandError: ..." for it.
+        assert "Error:" not in done.stderr, done.stderr
+
+
+def test_an_empty_work_list_that_the_definition_refuses_is_reported_and_leaves_no_run() -> None:
+    code, report = 0, None
+    try:
+        call_command("run_fanout", "t_refuse_empty", "--param", "n=0", stdout=StringIO())
+    except CommandError as exc:
+        code, report = exc.returncode, str(exc)
+
+    assert code == 3
+    assert report == (
+        "the work list of 't_refuse_empty' is empty, and the definition refuses an empty "
+        "work list (allow_empty=False): no run was made; check the params"
+    )
+    assert not BatchRun.objects.exists()
 
 
 def test_retry_failed_from_the_command_line_reruns_only_the_failed_items(
@@ -302,3 +327,28 @@ def test_progress_elsewhere_is_one_plain_line_per_interval_never_cut() -> None:
         "12 account-0042: rate limited"
     )
     assert lines[1].startswith("run 7 succeeded: 100/100 (100%) ")
+
+
+@override_settings(FANOUT_POOLS={"slots-pool": {"max_concurrency": 5, "rate": "50/s"}})
+def test_the_start_line_says_when_a_pools_row_differs_from_fanout_pools() -> None:
+    CapacityPool.objects.create(
+        name="slots-pool", max_concurrency=10, rate_count=100, rate_period=60.0
+    )
+    err = StringIO()
+
+    call_command("run_fanout", "slots_pool", "--param", "n=2", stdout=StringIO(), stderr=err)
+
+    assert err.getvalue().splitlines()[0] == (
+        "pool 'slots-pool' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5), "
+        "rate 100/60s (burst 100) (FANOUT_POOLS: 50/1s (burst 50)); the pool's row wins: "
+        "this run uses the row's limits (manage.py fanout_pools --sync applies FANOUT_POOLS)"
+    )
+    CapacityPool.objects.filter(name="slots-pool").update(
+        max_concurrency=5, rate_count=50, rate_period=1.0
+    )
+    err = StringIO()
+    call_command(
+        "run_fanout", "slots_pool", "--param", "n=2", "--run-key", "synced", stderr=err,
+        stdout=StringIO(),
+    )
+    assert "FANOUT_POOLS" not in err.getvalue()

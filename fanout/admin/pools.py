@@ -13,6 +13,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from ..models import CapacityPool, ItemClaim, ItemStatus
+from ..pools import settings_drift
 from ..text import plural
 from ..waiting import pool_state
 from .common import (
@@ -95,6 +96,14 @@ class CapacityPoolAdmin(FanoutAdmin):
         if obj is not None and ItemClaim.objects.filter(pool=obj.name).unfinished().exists():
             return False  # its unfinished items would wait for it forever
         return super().has_delete_permission(request, obj)
+
+    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kw: Any) -> Any:
+        pool = self.get_object(request, object_id) if request.method == "GET" else None
+        if pool is not None and (drift := settings_drift(pool)):
+            messages.warning(
+                request, f"{drift}: manage.py fanout_pools --sync applies FANOUT_POOLS"
+            )
+        return super().change_view(request, object_id, *args, **kw)
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return self.has_fanout_permission(request, "pause_pool")

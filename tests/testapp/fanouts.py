@@ -148,6 +148,8 @@ FanOut("t_crash", lease_seconds=2, max_attempts=1, max_parallel=10, join=summari
 FanOut("t_budget", lease_seconds=5, crash_budget=2, **common)
 FanOut("t_fail_fast_budget", failure_policy="fail_fast", crash_budget=0, **common)
 FanOut("t_strict", params={"n": int, "label": (str, "none")}, join=summarize, **common)
+# A work list that comes out empty is a mistake here (a mistyped param), not a finished run.
+FanOut("t_refuse_empty", allow_empty=False, join=summarize, **common)
 
 
 # Work lists that are not ranges: a queryset, a plain list, a generator.

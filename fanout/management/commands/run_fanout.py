@@ -15,16 +15,29 @@ from typing import Any, TypeVar
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import InterfaceError, OperationalError, connection
 
+from fanout.checks import pools_named_by
 from fanout.definition import EXECUTORS, FanOut, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
-from fanout.errors import FanoutError
-from fanout.models import BatchRun, ItemStatus, RunStatus
+from fanout.errors import EmptyWorkList, FanoutError
+from fanout.models import BatchRun, CapacityPool, ItemStatus, RunStatus
+from fanout.pools import settings_drift
 from fanout.recover import cancel_run, check_retryable, release, retry_failed
 from fanout.report import final_report, snapshot
 from fanout.supervise import tend
 from fanout.watch import Progress
 
 T = TypeVar("T")
+
+# Exit codes besides 0 (succeeded) and 2 (a usage error); README.md has the table.
+EXIT_FAILED = 1  # failed, cancelled, compensation failed, or interrupted
+EXIT_EMPTY = 3  # the work list was empty and the definition refuses that
+EXIT_COMPENSATED = 4  # the run failed or was cancelled, and what succeeded was undone
+_EXIT_BY_STATUS = {RunStatus.COMPENSATED: EXIT_COMPENSATED}
+
+
+class RunEnded(CommandError):
+    """How a run ended, other than succeeded: said in a plain line with its exit code, since
+    the command itself did not break (callers of call_command still get a CommandError)."""
 
 
 def positive_int(text: str) -> int:
@@ -138,6 +151,19 @@ class Command(BaseCommand):
         )
         parser.add_argument("--list", action="store_true", help="List the registered definitions.")
 
+    def run_from_argv(self, argv: list[str]) -> None:
+        self._from_argv = True
+        super().run_from_argv(argv)
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        try:
+            return super().execute(*args, **options)
+        except RunEnded as ended:
+            if not getattr(self, "_from_argv", False):
+                raise
+            self.stderr.write(str(ended))
+            sys.exit(ended.returncode)
+
     def handle(self, *args: Any, **options: Any) -> None:
         if options["list"]:
             return self._list()
@@ -147,10 +173,17 @@ class Command(BaseCommand):
             return self._cancel(options["cancel"], options["json"], options["compensate"])
         try:
             run = self._prepare(options)
+        except EmptyWorkList as exc:
+            raise RunEnded(str(exc), returncode=EXIT_EMPTY) from None
         except FanoutError as exc:
             raise CommandError(str(exc), returncode=2) from None
         notes = [_already_finished(run)] if run.is_terminal else []
         definition = get_definition(run.definition)
+        for drift in _settings_drift(definition):
+            self.stderr.write(
+                f"{drift}: this run uses the row's limits "
+                "(manage.py fanout_pools --sync applies FANOUT_POOLS)"
+            )
         executor = options["executor"] or run.executor
         if executor == "inline" and options["no_wait"]:
             raise CommandError(
@@ -184,7 +217,10 @@ class Command(BaseCommand):
                 returncode=1,
             )
         if report["status"] != RunStatus.SUCCEEDED:
-            raise CommandError(f"run {run.pk} {report['status']}", returncode=1)
+            raise RunEnded(
+                f"run {run.pk} {report['status']}",
+                returncode=_EXIT_BY_STATUS.get(report["status"], EXIT_FAILED),
+            )
         return None
 
     def _prepare(self, options: dict[str, Any]) -> BatchRun:
@@ -363,6 +399,12 @@ def _already_finished(run: BatchRun) -> str:
         f"run {run.pk} had already finished ({run.status}{when}): nothing was run again. "
         f"To start a fresh run, give it a new run key: run_fanout {again} --run-key NEW_KEY"
     )
+
+
+def _settings_drift(definition: FanOut) -> list[str]:
+    """How each pool the definition names differs from FANOUT_POOLS (the row wins)."""
+    pools = CapacityPool.objects.filter(name__in=pools_named_by(definition)).order_by("name")
+    return [drift for drift in map(settings_drift, pools) if drift]
 
 
 def _main_thread() -> bool:
