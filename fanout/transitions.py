@@ -495,9 +495,8 @@ def hand_over(
 
     One statement, one round trip, one commit: the steady state of a worker. It touches
     neither the run's nor the pool's row unless it gives the slot up, so claimers of one run
-    never wait for each other. PostgreSQL's takes no item whose worker died (``crashes`` > 0):
-    those are claim()'s, which knows the run's crash budget (MariaDB/MySQL's procedure of
-    migration 0005 does not check yet).
+    never wait for each other. It takes no item whose worker died (``crashes`` > 0): those are
+    claim()'s, which knows the run's crash budget.
     """
     assert outcome.kind == SUCCEEDED, "only successes are handed over (see can_hand_over)"
     mysql = connection.vendor == "mysql"

@@ -37,15 +37,8 @@ def succeeded(item: Any) -> ExecutionOutcome:
     return ExecutionOutcome(item.pk, item.key, SUCCEEDED, result={"ok": item.key})
 
 
-def test_a_hand_over_leaves_an_item_past_its_crash_budget_to_fail_as_a_claim_fails_it(
-    request: pytest.FixtureRequest,
-) -> None:
+def test_a_hand_over_leaves_an_item_past_its_crash_budget_to_fail_as_a_claim_fails_it() -> None:
     with_hand_over()
-    if connection.vendor == "mysql":
-        # Migration 0005's procedure picks any pending item; its rewrite adds the condition.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="the MariaDB/MySQL procedure lacks crashes = 0")
-        )
     run = prepared("slots_run", n=2)
     taken = claim(run.pk, "worker", 2, LEASE, CRASH_BUDGET, None)
     assert taken.token is not None and len(taken.items) == 2

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('fanout', '0005_hand_over_procedure'),
+        ('fanout', '0006_hand_over_lock_order'),
     ]
 
     operations = [

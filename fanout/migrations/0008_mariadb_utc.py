@@ -80,6 +80,7 @@ BEGIN
         IF v_open > 0 THEN
             SELECT c.id INTO v_next FROM fanout_itemclaim AS c
             WHERE c.run_id = p_run_id AND c.status = 'pending' AND c.pool = p_pool
+              AND c.crashes = 0 -- a crashed item is the claim's: it knows the crash budget
               AND c.next_attempt_at <= UTC_TIMESTAMP(6)
             ORDER BY c.`index`
             LIMIT 1
@@ -99,9 +100,9 @@ BEGIN
             WHERE id = v_next;
         ELSE
             -- The slot is given up: the run's row, then the pool's, as everywhere.
-            UPDATE fanout_batchrun SET in_flight = GREATEST(CAST(in_flight AS SIGNED) - 1, 0)
+            UPDATE fanout_batchrun SET in_flight = in_flight - 1
             WHERE id = v_run;
-            UPDATE fanout_capacitypool SET in_flight = GREATEST(CAST(in_flight AS SIGNED) - 1, 0)
+            UPDATE fanout_capacitypool SET in_flight = in_flight - 1
             WHERE name = v_pool AND name <> '';
         END IF;
     END IF;
@@ -164,7 +165,7 @@ def previous(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("fanout", "0005_hand_over_procedure")]
+    dependencies = [("fanout", "0007_counter_audit")]
 
     # MySQL cannot roll back DDL, and Django refuses to run it inside a transaction there.
     operations = [migrations.RunPython(create, previous, atomic=False)]

@@ -21,7 +21,7 @@ def _sort(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fanout", "0005_hand_over_procedure"),
+        ("fanout", "0008_mariadb_utc"),
     ]
 
     operations = [
