@@ -241,15 +241,8 @@ class ItemClaim(models.Model):
             models.Index(
                 fields=["run", "status", "lease_expires_at"], name="fanout_item_run_lease_idx"
             ),
-            # The hand-over's pick: a run's pending items of one pool in work-list order. Partial
-            # on pending and ordered like its ORDER BY, so that the plan (which may not sort:
-            # migration 0009) walks it whatever the statistics say of a run they have not seen.
-            # MariaDB/MySQL have no partial indexes; Django leaves it out there.
-            models.Index(
-                fields=["run", "pool", "index"],
-                condition=Q(status=ItemStatus.PENDING),
-                name="fanout_item_pending_idx",
-            ),
+            # The hand-over's pick has a partial index of its own on PostgreSQL, made by
+            # migration 0009 (MariaDB/MySQL have none, and Django would warn of it there).
             # Live leases per pool: fair share, the admin's gauges, per-host counts.
             models.Index(
                 fields=["pool", "status", "lease_expires_at"], name="fanout_item_pool_lease_idx"

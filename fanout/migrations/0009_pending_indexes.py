@@ -6,17 +6,28 @@ a pick instead of 0.1, from the second run on). With sorting off for the functio
 the only plans left walk an index in work-list order; the claim does the same (claim.py).
 """
 
-from django.db import migrations, models
+from django.db import migrations
 
 
-def _no_sort(apps, schema_editor):
+# A run's pending items of one pool in work-list order: exactly the pick's WHERE and ORDER BY.
+# PostgreSQL only: MariaDB/MySQL have no partial indexes (a model index with a condition would
+# make Django warn on every check there).
+_CREATE = (
+    'CREATE INDEX IF NOT EXISTS fanout_item_pending_idx ON fanout_itemclaim (run_id, pool, "index") '
+    "WHERE status = 'pending'"
+)
+
+
+def _forward(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(_CREATE)
         schema_editor.execute("ALTER FUNCTION fanout_hand_over SET enable_sort = off")
 
 
-def _sort(apps, schema_editor):
+def _backward(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute("ALTER FUNCTION fanout_hand_over RESET enable_sort")
+        schema_editor.execute("DROP INDEX IF EXISTS fanout_item_pending_idx")
 
 
 class Migration(migrations.Migration):
@@ -24,14 +35,4 @@ class Migration(migrations.Migration):
         ("fanout", "0008_mariadb_utc"),
     ]
 
-    operations = [
-        migrations.AddIndex(
-            model_name="itemclaim",
-            index=models.Index(
-                condition=models.Q(("status", "pending")),
-                fields=["run", "pool", "index"],
-                name="fanout_item_pending_idx",
-            ),
-        ),
-        migrations.RunPython(_no_sort, _sort),
-    ]
+    operations = [migrations.RunPython(_forward, _backward)]
