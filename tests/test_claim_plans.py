@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from fanout.claim import lock_run
+from fanout.claim import claim, lock_run
 from fanout.clock import db_now
 from fanout.models import BatchRun, ItemClaim
 from tests.conftest import prepare
@@ -119,9 +119,12 @@ def _hand_over_plans(run_id: int, mode: str) -> list[dict[str, Any]]:
                 ("plan_cache_mode", mode),
             ):
                 cursor.execute(f"SET {setting} = {value}")
+            # An item of the run finishes, so that the function goes on to pick the next.
+            taken = claim(run_id, "plans", 1, 30.0, 3, None)
+            assert taken.token is not None and len(taken.items) == 1
             cursor.execute(
                 "SELECT * FROM fanout_hand_over(%s, %s, NULL, 0.0, %s, '', 'plans', %s, 30.0)",
-                [0, uuid.uuid4(), run_id, uuid.uuid4()],
+                [taken.items[0].pk, taken.token, run_id, uuid.uuid4()],
             )
             cursor.fetchall()
             cursor.execute("RESET ALL")
