@@ -30,6 +30,7 @@ from .common import (
     FanoutAdmin,
     action,
     clipped,
+    confirm_stranded,
     json_block,
     redispatch,
     time_field,
@@ -304,13 +305,15 @@ class ItemClaimAdmin(FanoutAdmin):
     # ------------------------------------------------------------------ actions
 
     @action(description="Retry selected failed items", permissions=["retry"])
-    def retry_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
+    def retry_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> Any:
         failed = queryset.filter(status=ItemStatus.FAILED)
         runs = list(
             BatchRun.objects.filter(
                 pk__in=failed.values("run_id"), status__in=RETRYABLE_RUNS
             ).order_by("pk")
         )
+        if confirm := confirm_stranded(self, request, runs, "Retry selected failed items"):
+            return confirm
         retried = sum(recover.retry_failed(run, failed) for run in runs)
         skipped = queryset.count() - retried
         text = f"{plural(retried, 'failed item')} back to pending."

@@ -37,12 +37,14 @@ from .common import (
     FanoutAdmin,
     action,
     clipped,
+    confirm_stranded,
     gauge,
     items_url,
     json_block,
     page_action_form,
     page_actions,
     redispatch,
+    stranded_runs,
     time_field,
     timestamp,
 )
@@ -71,6 +73,10 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "why": progress.why,
         "stalled": progress.stalled,
     }
+
+
+def _offers_retry(buttons: list[tuple]) -> bool:
+    return any(name == "retry_failed_items" for name, *_ in buttons)
 
 
 def get_definition_or_none(name: str) -> Any:
@@ -363,7 +369,8 @@ class BatchRunAdmin(FanoutAdmin):
                 for g in failure_groups(run.pk)
             ],
             "pools": pools,
-            "buttons": self._buttons(request, run, counts["failed"]),
+            "buttons": (buttons := self._buttons(request, run, counts["failed"])),
+            "retry_note": self._retry_note(run) if buttons and _offers_retry(buttons) else "",
             **dict(
                 zip(
                     ("action_url", "action_field"),
@@ -398,6 +405,21 @@ class BatchRunAdmin(FanoutAdmin):
         return buttons
 
     @staticmethod
+    def _retry_note(run: BatchRun) -> str:
+        """What the retry button does with an inline run, said before it is pressed."""
+        if run.executor != "inline":
+            return ""
+        stranded = stranded_runs([run])
+        if stranded:
+            return (
+                "This run uses the inline executor and RQ cannot take it over here "
+                f"({stranded[0][1]}): retried items stay pending until someone runs "
+                f"`manage.py run_fanout --resume {run.pk}`."
+            )
+        queue = get_definition(run.definition).queue
+        return f"This run uses the inline executor: retried items run on RQ workers ({queue!r})."
+
+    @staticmethod
     def _pool_url(pool: CapacityPool | None) -> str:
         if pool is None:
             return ""
@@ -406,9 +428,11 @@ class BatchRunAdmin(FanoutAdmin):
     # ------------------------------------------------------------------ actions
 
     @action(description="Retry failed items", permissions=["retry"])
-    def retry_failed_items(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
+    def retry_failed_items(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> Any:
         failed = ItemClaim.objects.filter(run=OuterRef("pk"), status=ItemStatus.FAILED)
         runs = list(queryset.filter(status__in=RETRYABLE_RUNS).filter(Exists(failed)))
+        if confirm := confirm_stranded(self, request, runs, "Retry failed items"):
+            return confirm
         retried = 0
         for run in runs:
             count = recover.retry_failed(run)
