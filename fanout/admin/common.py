@@ -4,6 +4,7 @@ permissions, times to the second, links to filtered item lists, and waking a run
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -16,13 +17,15 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
 
 from ..definition import FanOut, get_definition
 from ..dispatch import dispatch, move_to_rq, rq_unavailable
 from ..errors import FanoutError
 from ..models import BatchRun, RunStatus
+from ..text import last_line
 
 # Django 6.1 offers actions on an object's page too; before it, only on the list.
 LOCATIONS = getattr(admin, "ActionLocation", None)
@@ -72,6 +75,28 @@ def clipped(text: str, css: str = "") -> str:
     if not text:
         return ""
     return format_html('<span class="fanout-clip {}" title="{}">{}</span>', css, text, text)
+
+
+# A traceback's last line names its exception with the module path: "pkg.mod.Error: message".
+_DOTTED = re.compile(r"^(?:[A-Za-z_][\w]*\.)+(?=[A-Za-z_]\w*(?::|$))")
+
+
+def short_error(error: str | None) -> str:
+    """What an error says, short: its last line, the exception's class without its module."""
+    return _DOTTED.sub("", last_line(error))
+
+
+def wrapped(text: str, css: str = "") -> str:
+    """Text that wraps to its column's width instead of being cut, whole in its tooltip."""
+    if not text:
+        return ""
+    return format_html('<span class="fanout-wrap {}" title="{}">{}</span>', css, text, text)
+
+
+def worker_name(owner: str) -> str:
+    """A lease holder (host:pid:thread), wrapping only between its parts."""
+    parts = format_html_join(mark_safe(":<wbr>"), "{}", ((p,) for p in owner.split(":")))
+    return format_html('<span class="fanout-wrap fanout-worker" title="{}">{}</span>', owner, parts)
 
 
 def gauge(value: int, limit: int, label: str, title: str = "") -> str:

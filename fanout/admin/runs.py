@@ -36,7 +36,6 @@ from .common import (
     CANCELLABLE_RUNS,
     FanoutAdmin,
     action,
-    clipped,
     confirm_stranded,
     gauge,
     items_url,
@@ -44,9 +43,11 @@ from .common import (
     page_action_form,
     page_actions,
     redispatch,
+    short_error,
     stranded_runs,
     time_field,
     timestamp,
+    wrapped,
 )
 from .filters import HELD
 
@@ -73,6 +74,31 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "why": progress.why,
         "stalled": progress.stalled,
     }
+
+
+def key_part(run: BatchRun) -> str:
+    """What tells a run apart from the other runs of its definition: its key without the
+    definition's name, which has its own column (a default key is name:params)."""
+    prefix = f"{run.definition}:"
+    return run.run_key.removeprefix(prefix) if run.run_key != prefix else run.run_key
+
+
+def why_it_failed(run: BatchRun, progress: Progress) -> str:
+    """Why a failed run failed: its error, or (collect and all policies record none) how many
+    items failed and the first one's error."""
+    if run.status != RunStatus.FAILED:
+        return ""
+    if run.error:
+        return short_error(run.error)
+    first = (
+        ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.FAILED)
+        .order_by("finished_at", "index")
+        .only("error")
+        .first()
+    )
+    failed = progress.by_segment.get("failed", 0)
+    text = f"{failed:,} of {progress.total:,} items failed"
+    return f"{text}: {short_error(first.error)} (first)" if first and first.error else text
 
 
 def _offers_retry(buttons: list[tuple]) -> bool:
@@ -240,6 +266,12 @@ class BatchRunAdmin(FanoutAdmin):
         response["Cache-Control"] = "no-store"
         return response
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = super().get_readonly_fields(request, obj)
+        if obj is not None and obj.is_terminal:
+            return (*fields, "max_parallel")  # nothing claims for a finished run any more
+        return fields
+
     def save_model(self, request: HttpRequest, obj: BatchRun, form: Any, change: bool) -> None:
         # Write only what the operator changed: every other column belongs to the workers.
         if change:
@@ -257,7 +289,7 @@ class BatchRunAdmin(FanoutAdmin):
 
     @admin.display(description="run", ordering="definition")
     def run_name(self, run: BatchRun) -> str:
-        return format_html("{}{}", run.definition, clipped(run.run_key, "fanout-sub"))
+        return format_html("{}{}", run.definition, wrapped(key_part(run), "fanout-sub"))
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, run: BatchRun) -> str:
@@ -318,6 +350,9 @@ class BatchRunAdmin(FanoutAdmin):
     ) -> Any:
         if obj is not None:
             context.update(self.summary(request, obj))
+            if obj.is_terminal:
+                # Nothing on a finished run's page is editable: no Save buttons.
+                context.update(show_save=False, show_save_and_continue=False)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def summary(self, request: HttpRequest, run: BatchRun) -> dict[str, Any]:
@@ -358,6 +393,7 @@ class BatchRunAdmin(FanoutAdmin):
                 if s in counts
             ],
             "join_result_json": json.dumps(run.join_result, indent=2),
+            "failed_why": why_it_failed(run, progress),
             "failures": [
                 {
                     "group": g,

@@ -284,9 +284,7 @@ def no_rq(settings):
     settings.RQ_QUEUES = {"default": {"URL": settings.REDIS_URL}}
 
 
-def test_redispatch_of_an_inline_run_without_rq_says_how_to_start_its_workers(
-    admin_client, no_rq
-):
+def test_redispatch_of_an_inline_run_without_rq_says_how_to_start_its_workers(admin_client, no_rq):
     run = make_run({"pending": 2})
     finished = make_run({"succeeded": 1}, status=RunStatus.SUCCEEDED)
 
@@ -554,3 +552,45 @@ def test_the_run_list_says_why_a_run_with_nothing_running_waits_for_its_held_ite
     html = admin_client.get(CHANGELIST).content.decode()
 
     assert ">provider-a: pool paused (9)</span>" in html
+
+
+# ------------------------------------------------------------------ reading a run at a glance
+
+
+def test_the_run_list_shows_the_part_of_the_run_key_that_tells_runs_apart(admin_client):
+    make_run({"succeeded": 1}, run_key='admin-console:{"month":"2026-11"}')
+
+    page = admin_client.get(CHANGELIST).content.decode()
+
+    # The definition has its own column: the cell shows the params, whole, wrapping.
+    assert (
+        '<span class="fanout-wrap fanout-sub" title="{&quot;month&quot;:&quot;2026-11&quot;}">'
+        in page
+    )
+    assert "admin-console:{" not in page
+
+
+def test_a_run_that_failed_under_collect_says_how_many_items_failed_and_the_first_error(
+    admin_client,
+):
+    run = make_run({"succeeded": 17, "failed": 3}, status=RunStatus.FAILED)
+    assert run.error == ""
+
+    page = admin_client.get(change_url(run))
+
+    why = "3 of 20 items failed: ValueError: item 17 broke (first)"
+    assert page.context["failed_why"] == why
+    assert f"Why it failed: {why}" in page.content.decode()
+
+
+def test_a_finished_run_has_no_editable_field_and_no_save_button(admin_client):
+    run = make_run({"succeeded": 2}, status=RunStatus.SUCCEEDED, max_parallel=4)
+    running = make_run({"pending": 2})
+
+    page = admin_client.get(change_url(run)).content.decode()
+    assert 'name="max_parallel"' not in page
+    assert 'name="_save"' not in page and 'name="_continue"' not in page
+    admin_client.post(change_url(run), {"max_parallel": 99, "_save": "Save"})
+    assert BatchRun.objects.get(pk=run.pk).max_parallel == 4
+    # A running run keeps its one editable limit.
+    assert 'name="max_parallel"' in admin_client.get(change_url(running)).content.decode()
