@@ -31,7 +31,7 @@ from ..report import (
     progress_of,
     tree_report,
 )
-from ..text import human_duration, human_rate, last_line, plural
+from ..text import human_duration, human_rate, plural
 from .common import (
     CANCELLABLE_RUNS,
     FanoutAdmin,
@@ -397,7 +397,7 @@ class BatchRunAdmin(FanoutAdmin):
             "failures": [
                 {
                     "group": g,
-                    "error": last_line(g.example.error) if g.example else "",
+                    "error": short_error(g.example.error) if g.example else "",
                     "url": items_url(run=run.pk, status="failed", error_class=g.error_class)
                     if g.error_class
                     else items_url(run=run.pk, status="failed"),
