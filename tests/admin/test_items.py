@@ -426,3 +426,25 @@ def test_a_lost_workers_attempt_shows_how_long_it_may_have_run_not_its_lease(adm
 
     assert "lost after at most 30s" in admin_client.get(item_url(early)).content.decode()
     assert "lost after 1m 30s to 2m 00s" in admin_client.get(item_url(late)).content.decode()
+
+
+def test_retrying_items_of_an_inline_run_without_rq_asks_first(admin_client, settings):
+    settings.RQ_QUEUES = {"default": {"URL": settings.REDIS_URL}}
+    run = make_run({"failed": 2}, status=RunStatus.FAILED)
+    pks = list(ItemClaim.objects.filter(run=run).values_list("pk", flat=True))
+
+    asked = action(admin_client, CHANGELIST, "retry_items", *pks)
+
+    assert asked.status_code == 200
+    assert f"manage.py run_fanout --resume {run.pk}" in asked.content.decode()
+    assert statuses(run) == {"failed": 2}
+    confirmed = admin_client.post(
+        CHANGELIST,
+        {
+            **dict(asked.context["repost"]),
+            "_selected_action": [str(p) for p in pks],
+            "fanout_confirmed": "yes",
+        },
+    )
+    assert confirmed.status_code == 302
+    assert statuses(run) == {"pending": 2}

@@ -594,3 +594,20 @@ def test_a_finished_run_has_no_editable_field_and_no_save_button(admin_client):
     assert BatchRun.objects.get(pk=run.pk).max_parallel == 4
     # A running run keeps its one editable limit.
     assert 'name="max_parallel"' in admin_client.get(change_url(running)).content.decode()
+
+
+def test_the_run_pages_retry_of_an_inline_run_without_rq_asks_first_then_comes_back(
+    admin_client, no_rq
+):
+    run = make_run({"succeeded": 1, "failed": 2}, status=RunStatus.FAILED)
+
+    asked = page_action(admin_client, change_url(run), "retry_failed_items", run.pk)
+
+    assert asked.status_code == 200 and statuses(run) == {"succeeded": 1, "failed": 2}
+    repost = dict(asked.context["repost"])
+    repost["fanout_confirmed"] = "yes"
+    target = asked.wsgi_request.path
+    response = admin_client.post(target, repost)
+
+    assert response.status_code == 302 and response.url == change_url(run)
+    assert statuses(run) == {"succeeded": 1, "pending": 2}
