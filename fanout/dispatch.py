@@ -163,8 +163,6 @@ _children_lock = threading.Lock()
 
 def _carry_children(run: BatchRun) -> None:
     """Inline: run the run's unfinished child runs here too (a resume, a retry-failed)."""
-    from .nest import open_children
-
     for child in open_children([run.pk]):
         if child.status != RunStatus.RUNNING:
             continue

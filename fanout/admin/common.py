@@ -20,11 +20,14 @@ from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
+from redis.exceptions import RedisError
+from rq import Worker
 
 from ..definition import FanOut, get_definition
 from ..dispatch import dispatch, move_to_rq, rq_unavailable
 from ..errors import FanoutError
 from ..models import BatchRun, RunStatus
+from ..rq import get_queue
 from ..text import last_line
 
 # Django 6.1 offers actions on an object's page too; before it, only on the list.
@@ -170,12 +173,11 @@ def _runs(pks: list[int]) -> str:
 
 def _queue_has_workers(definition: FanOut) -> bool:
     """Whether some RQ worker listens on ``definition``'s queue now."""
-    from rq import Worker
-
-    from ..rq import get_queue
-
     queue = get_queue(definition)
-    return Worker.count(connection=queue.connection, queue=queue) > 0
+    try:
+        return Worker.count(connection=queue.connection, queue=queue) > 0
+    except RedisError:
+        return True  # unknown: say nothing rather than something wrong
 
 
 def stranded_runs(runs: list[BatchRun]) -> list[tuple[BatchRun, str]]:
