@@ -528,7 +528,9 @@ def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at
         assert_seen_whole(
             keys.filter(has_text="2026-10"), '{"month":"2026-10","region":"eu-west-1"}'
         )
-        shoot("runs")
+        # ...and how far each has come, on the screen at a phone's width too.
+        counts = page.locator("#result_list td.field-progress_bar .fanout-counts")
+        assert_seen_whole(counts.first, "/")
 
         # The failed items: each error's class and message, and the worker that ran it.
         page.goto(f"{admin}/itemclaim/?run={failed.pk}&status=failed")
