@@ -15,6 +15,7 @@ from .errors import FanoutError
 from .lease import LeaseKeeper
 from .materialize import create_run, materialize
 from .models import BatchRun, RunStatus
+from .nest import open_children
 from .supervise import Supervisor
 from .worker import Drain, owner_name
 
@@ -162,8 +163,6 @@ _children_lock = threading.Lock()
 
 def _carry_children(run: BatchRun) -> None:
     """Inline: run the run's unfinished child runs here too (a resume, a retry-failed)."""
-    from .nest import open_children
-
     for child in open_children([run.pk]):
         if child.status != RunStatus.RUNNING:
             continue
@@ -221,3 +220,43 @@ def resume(
     definition = get_definition(run.definition)
     run = materialize(run, definition)
     return run, dispatch(run, definition, executor or run.executor, workers)
+
+
+def rq_unavailable(definition: FanOut) -> str:
+    """Why RQ cannot take ``definition``'s drain jobs from this process; "" when it can."""
+    from redis.exceptions import RedisError
+
+    from .rq import get_queue
+
+    try:
+        queue = get_queue(definition)
+        # An operator's request must not hang on a Redis host that does not answer.
+        queue.connection.connection_pool.connection_kwargs.setdefault("socket_connect_timeout", 2)
+        queue.connection.ping()
+    except FanoutError as exc:
+        return str(exc)
+    except RedisError as exc:
+        return f"Redis for queue {definition.queue!r} is not reachable ({exc})"
+    except Exception as exc:  # a malformed RQ_QUEUES entry
+        return f"RQ queue {definition.queue!r} is misconfigured ({exc})"
+    return ""
+
+
+def move_to_rq(run: BatchRun, definition: FanOut) -> int:
+    """Carry an inline run, and its open child runs, on RQ workers from now on.
+
+    An inline run's workers are threads of the process that started it: once that process has
+    ended, nothing runs items put back to pending (a retry from the admin) until someone
+    resumes it in a shell. On RQ, drain jobs (enqueued after commit, carrying only the run's
+    id) run them, and the workers' supervisors keep the run moving. Threads of a process still
+    carrying the run are harmless beside them: every item is claimed in the database.
+    Returns the number of runs moved.
+    """
+    runs = frontier = [run.pk]
+    while frontier:
+        frontier = [child.pk for child in open_children(frontier)]
+        runs = runs + frontier
+    moved = BatchRun.objects.filter(pk__in=runs, executor="inline").update(executor="rq")
+    run.executor = "rq"
+    dispatch(run, definition, "rq")
+    return moved

@@ -4,6 +4,7 @@ permissions, times to the second, links to filtered item lists, and waking a run
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -12,16 +13,22 @@ from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.http import HttpRequest
 from django.template.loader import render_to_string
+from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
+from redis.exceptions import RedisError
+from rq import Worker
 
-from ..definition import get_definition
-from ..dispatch import dispatch
+from ..definition import FanOut, get_definition
+from ..dispatch import dispatch, move_to_rq, rq_unavailable
 from ..errors import FanoutError
 from ..models import BatchRun, RunStatus
+from ..rq import get_queue
+from ..text import last_line
 
 # Django 6.1 offers actions on an object's page too; before it, only on the list.
 LOCATIONS = getattr(admin, "ActionLocation", None)
@@ -48,6 +55,9 @@ def page_action_form(changelist_url: str) -> tuple[str, str]:
         return changelist_url, "action"
     return "", f"{LOCATIONS.CHANGE_FORM.value}-action"
 
+
+# Set by the page that asked an operator to confirm an action whose items nobody would run.
+CONFIRMED = "fanout_confirmed"
 CANCELLABLE_RUNS = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
 TIME_FORMAT = "Y-m-d H:i:s"
 
@@ -68,6 +78,28 @@ def clipped(text: str, css: str = "") -> str:
     if not text:
         return ""
     return format_html('<span class="fanout-clip {}" title="{}">{}</span>', css, text, text)
+
+
+# A traceback's last line names its exception with the module path: "pkg.mod.Error: message".
+_DOTTED = re.compile(r"^(?:[A-Za-z_][\w]*\.)+(?=[A-Za-z_]\w*(?::|$))")
+
+
+def short_error(error: str | None) -> str:
+    """What an error says, short: its last line, the exception's class without its module."""
+    return _DOTTED.sub("", last_line(error))
+
+
+def wrapped(text: str, css: str = "") -> str:
+    """Text that wraps to its column's width instead of being cut, whole in its tooltip."""
+    if not text:
+        return ""
+    return format_html('<span class="fanout-wrap {}" title="{}">{}</span>', css, text, text)
+
+
+def worker_name(owner: str) -> str:
+    """A lease holder (host:pid:thread), wrapping only between its parts."""
+    parts = format_html_join(mark_safe(":<wbr>"), "{}", ((p,) for p in owner.split(":")))
+    return format_html('<span class="fanout-wrap fanout-worker" title="{}">{}</span>', owner, parts)
 
 
 def gauge(value: int, limit: int, label: str, title: str = "") -> str:
@@ -152,31 +184,119 @@ def _runs(pks: list[int]) -> str:
     return f"run {pks[0]}" if len(pks) == 1 else f"runs {', '.join(map(str, sorted(pks)))}"
 
 
+def _queue_has_workers(definition: FanOut) -> bool:
+    """Whether some RQ worker listens on ``definition``'s queue now."""
+    queue = get_queue(definition)
+    try:
+        return Worker.count(connection=queue.connection, queue=queue) > 0
+    except RedisError:
+        return True  # unknown: say nothing rather than something wrong
+
+
+def stranded_runs(runs: list[BatchRun]) -> list[tuple[BatchRun, str]]:
+    """The inline runs among ``runs`` that RQ cannot take over from here, each with why: items
+    put back to pending there wait until someone resumes the run in a shell."""
+    stranded = []
+    for run in runs:
+        if run.executor != "inline":
+            continue
+        try:
+            why = rq_unavailable(get_definition(run.definition))
+        except FanoutError as exc:
+            why = str(exc)
+        if why:
+            stranded.append((run, why))
+    return stranded
+
+
+def resume_command(pks: list[int]) -> str:
+    return f"`manage.py run_fanout --resume {pks[0] if len(pks) == 1 else 'ID'}`"
+
+
+def confirm_stranded(
+    model_admin: admin.ModelAdmin, request: HttpRequest, runs: list[BatchRun], what: str
+) -> TemplateResponse | None:
+    """A page that says, before anything changes, that ``what`` leaves these runs' items
+    pending with nobody to run them; None once confirmed, or when nothing would be stranded."""
+    stranded = stranded_runs(runs)
+    if not stranded or request.POST.get(CONFIRMED):
+        return None
+    opts = model_admin.model._meta
+    repost = [
+        (name, value)
+        for name in request.POST
+        if name != "csrfmiddlewaretoken"
+        for value in request.POST.getlist(name)
+    ]
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": f"{what}?",
+        "subtitle": None,
+        "opts": opts,
+        "what": what,
+        "stranded": [
+            {"run": run, "why": why, "command": resume_command([run.pk])} for run, why in stranded
+        ],
+        "repost": repost,
+        "confirmed_field": CONFIRMED,
+        "back_url": _local(request.POST.get("_return_to", "")) or request.get_full_path(),
+    }
+    return TemplateResponse(request, "fanout/admin/confirm_stranded.html", context)
+
+
+def _local(url: str) -> str:
+    return url if url.startswith("/") and not url.startswith("//") else ""
+
+
 def redispatch(model_admin: admin.ModelAdmin, request: HttpRequest, runs: list[BatchRun]) -> None:
-    """Wake workers for the running ones among ``runs``, and tell the operator what happened."""
-    inline, woken = [], []
+    """Wake workers for the running ones among ``runs``, and tell the operator what happened.
+
+    An inline run is handed to RQ where RQ can take it: its inline workers were threads of the
+    process that started it, and the web server must not run items itself.
+    """
+    inline, woken, moved = [], [], []
     for run in runs:
         if run.status != RunStatus.RUNNING:
             continue
-        if run.executor == "inline":
-            # Worker threads must not run inside the web server, tied to its processes' lives.
-            inline.append(run.pk)
-            continue
         try:
-            dispatch(run, get_definition(run.definition), run.executor)
+            definition = get_definition(run.definition)
+            if run.executor == "inline":
+                why = rq_unavailable(definition)
+                if why:
+                    inline.append((run.pk, why))
+                    continue
+                move_to_rq(run, definition)
+                moved.append((run.pk, definition))
+            else:
+                dispatch(run, definition, run.executor)
+                woken.append(run.pk)
         except (ImportError, FanoutError) as exc:
             model_admin.message_user(
                 request, f"run {run.pk} could not be dispatched: {exc}", messages.ERROR
             )
-        else:
-            woken.append(run.pk)
     if woken:
         model_admin.message_user(request, f"Workers woken for {_runs(woken)}.", messages.INFO)
-    if inline:
-        command = f"`manage.py run_fanout --resume {inline[0] if len(inline) == 1 else 'ID'}`"
+    for pk, definition in moved:
         model_admin.message_user(
             request,
-            f"{_runs(inline)} {'uses' if len(inline) == 1 else 'use'} the inline executor: "
-            f"start {'its' if len(inline) == 1 else 'their'} workers with {command}",
+            f"run {pk} was carried by inline workers: its items now run on RQ workers "
+            f"(queue {definition.queue!r}).",
+            messages.INFO,
+        )
+        if not _queue_has_workers(definition):
+            model_admin.message_user(
+                request,
+                f"No RQ worker listens on queue {definition.queue!r} now: start "
+                f"`manage.py rqworker {definition.queue}` to run run {pk}.",
+                messages.WARNING,
+            )
+    if inline:
+        pks = [pk for pk, _ in inline]
+        reasons = "; ".join(sorted({why for _, why in inline}))
+        model_admin.message_user(
+            request,
+            f"{_runs(pks)} {'uses' if len(pks) == 1 else 'use'} the inline executor: "
+            f"start {'its' if len(pks) == 1 else 'their'} workers with {resume_command(pks)} "
+            f"(RQ cannot take over here: {reasons})",
             messages.WARNING,
         )

@@ -21,7 +21,7 @@ from django.utils.html import format_html, format_html_join
 from .. import recover
 from ..definition import get_definition
 from ..errors import FanoutError
-from ..models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from ..models import BatchRun, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 from ..recover import RETRYABLE_RUNS
 from ..text import human_duration, last_line, plural
 from ..waiting import why_items_wait
@@ -30,9 +30,13 @@ from .common import (
     FanoutAdmin,
     action,
     clipped,
+    confirm_stranded,
     json_block,
     redispatch,
+    short_error,
     time_field,
+    worker_name,
+    wrapped,
 )
 from .filters import ItemClaimFilter
 
@@ -49,6 +53,37 @@ EMPTY_COLUMNS = {
     "compensated": ("why_it_waits",),
     "compensation_failed": ("why_it_waits",),
 }
+
+
+WORKER_LOST = "WorkerLost"  # the error class of an attempt whose worker stopped renewing
+PENDING_ONLY = ("why_it_waits_now", "next_attempt")
+
+
+def _without(fields: Any, names: tuple[str, ...]) -> list[Any]:
+    """A fieldset's fields (names, or tuples of names on one line) without ``names``."""
+    kept: list[Any] = []
+    for field in fields:
+        if isinstance(field, tuple):
+            field = tuple(f for f in field if f not in names)
+            if field:
+                kept.append(field)
+        elif field not in names:
+            kept.append(field)
+    return kept
+
+
+def attempt_took(attempt: ItemAttempt, lease_seconds: float | None) -> str:
+    """How long an attempt ran. A lost worker's attempt ends when its lease ran out: it ran at
+    least until its last renewal (a lease before that expiry), at most until the expiry."""
+    took = attempt.duration
+    if took is None:
+        return "-"
+    if attempt.error_class != WORKER_LOST:
+        return human_duration(took)
+    least = took - timedelta(seconds=lease_seconds or 0)
+    if lease_seconds is None or least <= timedelta(0):
+        return f"lost after at most {human_duration(took)}"
+    return f"lost after {human_duration(least)} to {human_duration(took)}"
 
 
 class EstimatedCountPaginator(Paginator):
@@ -136,9 +171,10 @@ class ItemClaimAdmin(FanoutAdmin):
         fieldsets = super().get_fieldsets(request, obj)
         if obj is None or obj.status == ItemStatus.PENDING:
             return fieldsets
-        # Only a pending item waits: the others leave the line out instead of leaving it blank.
+        # Only a pending item waits for a next attempt: the others leave those lines out
+        # instead of showing them blank or stale.
         return [
-            (name, {**opts, "fields": [f for f in opts["fields"] if f != "why_it_waits_now"]})
+            (name, {**opts, "fields": _without(opts["fields"], PENDING_ONLY)})
             for name, opts in fieldsets
         ]
 
@@ -181,6 +217,10 @@ class ItemClaimAdmin(FanoutAdmin):
         rows = list(item.attempts.all())
         if not rows:
             return "none"
+        try:
+            lease: float | None = get_definition(item.run.definition).lease_seconds
+        except FanoutError:
+            lease = None
         cells = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
@@ -190,7 +230,7 @@ class ItemClaimAdmin(FanoutAdmin):
                     a.attempt,
                     date_format(a.started_at, TIME_FORMAT) if a.started_at else "-",
                     a.owner or "-",
-                    human_duration(a.duration) if a.duration is not None else "-",
+                    attempt_took(a, lease),
                     a.error_class or "-",
                     a.error,
                     last_line(a.error),
@@ -247,7 +287,7 @@ class ItemClaimAdmin(FanoutAdmin):
         """The lease holder (or the last one), and while it runs, when its lease expires."""
         if not item.owner:
             return ""
-        holder = clipped(item.owner)
+        holder = worker_name(item.owner)
         if item.status != ItemStatus.RUNNING or item.lease_expires_at is None:
             return holder
         now = getattr(item, "fanout_now", None) or timezone.now()
@@ -268,7 +308,7 @@ class ItemClaimAdmin(FanoutAdmin):
 
     @admin.display(description="last error")
     def last_error(self, item: ItemClaim) -> str:
-        return clipped(last_line(item.error), "fanout-error")
+        return wrapped(short_error(item.error), "fanout-error")
 
     @admin.display(description="duration")
     def duration_display(self, item: ItemClaim) -> str:
@@ -304,13 +344,15 @@ class ItemClaimAdmin(FanoutAdmin):
     # ------------------------------------------------------------------ actions
 
     @action(description="Retry selected failed items", permissions=["retry"])
-    def retry_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
+    def retry_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> Any:
         failed = queryset.filter(status=ItemStatus.FAILED)
         runs = list(
             BatchRun.objects.filter(
                 pk__in=failed.values("run_id"), status__in=RETRYABLE_RUNS
             ).order_by("pk")
         )
+        if confirm := confirm_stranded(self, request, runs, "Retry selected failed items"):
+            return confirm
         retried = sum(recover.retry_failed(run, failed) for run in runs)
         skipped = queryset.count() - retried
         text = f"{plural(retried, 'failed item')} back to pending."

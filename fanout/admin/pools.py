@@ -7,12 +7,15 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, QuerySet
-from django.http import HttpRequest
+from django.http import Http404, HttpRequest, HttpResponseNotAllowed, HttpResponseRedirect
+from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from ..models import CapacityPool, ItemClaim, ItemStatus
+from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus
 from ..pools import settings_drift
 from ..text import plural
 from ..waiting import pool_state
@@ -25,6 +28,34 @@ from .common import (
     items_url,
     time_field,
 )
+
+RUNS_SHOWN = 20
+
+
+def pool_runs(name: str, limit: int = RUNS_SHOWN) -> list[dict[str, Any]]:
+    """The runs with unfinished items in the pool, busiest first: its running and pending
+    items per run, in two queries."""
+    counts = list(
+        ItemClaim.objects.filter(pool=name)
+        .unfinished()
+        .values("run_id")
+        .annotate(
+            running=Count("pk", filter=Q(status=ItemStatus.RUNNING)),
+            pending=Count("pk", filter=Q(status=ItemStatus.PENDING)),
+        )
+        .order_by("-running", "-pending", "run_id")[:limit]
+    )
+    runs = BatchRun.objects.only("definition", "status").in_bulk([c["run_id"] for c in counts])
+    return [
+        {
+            **c,
+            "run": runs[c["run_id"]],
+            "url": reverse("admin:fanout_batchrun_change", args=[c["run_id"]]),
+            "items_url": items_url(run=c["run_id"], pool=name),
+        }
+        for c in counts
+        if c["run_id"] in runs
+    ]
 
 
 @admin.register(CapacityPool)
@@ -43,7 +74,7 @@ class CapacityPoolAdmin(FanoutAdmin):
         (None, {"fields": ("name", "paused_flag")}),
         (
             "Limits",
-            {"fields": ("max_concurrency", ("rate_count", "rate_period"), "burst")},
+            {"fields": ("max_concurrency", ("rate_count", "rate_period"), ("burst", "burst_now"))},
         ),
         ("Counter audit", {"fields": ("counter_drift_display",)}),
         (
@@ -59,6 +90,7 @@ class CapacityPoolAdmin(FanoutAdmin):
             },
         ),
     )
+    change_form_template = "fanout/admin/capacitypool/change_form.html"
     worker_fields = (
         "tokens",
         "tokens_refilled",
@@ -72,7 +104,7 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # Pausing has its own permission (the actions); a pool's items refer to it by name.
-        fixed = ("paused_flag", *self.worker_fields)
+        fixed = ("paused_flag", "burst_now", *self.worker_fields)
         return ("name", *fixed) if obj is not None else fixed
 
     def _without_delete(self, actions: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +139,63 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return self.has_fanout_permission(request, "pause_pool")
+
+    def get_urls(self) -> list:
+        switch = self.admin_site.admin_view(self.pause_view)
+        return [
+            path("<path:object_id>/pause/", switch, name="fanout_capacitypool_pause"),
+            *super().get_urls(),
+        ]
+
+    def pause_view(self, request: HttpRequest, object_id: str) -> HttpResponseRedirect:
+        """POST ``paused=1`` or ``paused=0``: the pause switch on a pool's own page."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])  # type: ignore[return-value]
+        pool = self.get_object(request, unquote(object_id))
+        if pool is None:
+            raise Http404("no such pool")
+        if not self.has_pause_permission(request):
+            raise PermissionDenied
+        pools = CapacityPool.objects.filter(pk=pool.pk)
+        if request.POST.get("paused") == "1":
+            self.pause_pools(request, pools)
+        else:
+            self.resume_pools(request, pools)
+        self.log_change(
+            request, pool, "Paused." if request.POST.get("paused") == "1" else "Resumed."
+        )
+        return HttpResponseRedirect(reverse("admin:fanout_capacitypool_change", args=[pool.pk]))
+
+    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        field = super().formfield_for_dbfield(db_field, request, **kwargs)
+        if db_field.name == "burst" and field is not None:
+            field.help_text = "Admissions allowed at once; leave blank to allow the rate count."
+        return field
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: CapacityPool | None = None,
+    ) -> Any:
+        if obj is not None:
+            context.update(self.summary(request, obj))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def summary(self, request: HttpRequest, pool: CapacityPool) -> dict[str, Any]:
+        """What the pool's page shows above its fields: its state, its switch, its runs."""
+        now = timezone.now()
+        in_flight = ItemClaim.objects.in_flight(now).filter(pool=pool.name).count()
+        return {
+            "pool_state": pool_state(pool.name, pool, in_flight, now),
+            "pool_in_flight": in_flight,
+            "may_pause": self.has_pause_permission(request),
+            "pause_url": reverse("admin:fanout_capacitypool_pause", args=[pool.pk]),
+            "pool_runs": pool_runs(pool.name),
+        }
 
     def save_model(self, request: HttpRequest, obj: CapacityPool, form: Any, change: bool) -> None:
         # Never write back the token bucket or backoff read when the form was opened.
@@ -188,7 +277,16 @@ class CapacityPoolAdmin(FanoutAdmin):
     @admin.display(description="paused", ordering="paused")
     def paused_flag(self, pool: CapacityPool) -> str:
         # Not the admin's boolean icon: its green tick would call a paused pool healthy.
-        return "paused" if pool.paused else ""
+        return "paused: admits no new items" if pool.paused else "no: admitting"
+
+    @admin.display(description="burst now")
+    def burst_now(self, pool: CapacityPool) -> str:
+        """The burst the workers apply: the field's, or the rate count when it is blank."""
+        if pool.rate_count is None:
+            return "none: no rate limit"
+        if pool.burst is None:
+            return f"{pool.capacity} (the rate count)"
+        return str(pool.capacity)
 
     # ------------------------------------------------------------------ actions
 

@@ -31,12 +31,12 @@ from ..report import (
     progress_of,
     tree_report,
 )
-from ..text import human_duration, human_rate, last_line, plural
+from ..text import human_duration, human_rate, plural
 from .common import (
     CANCELLABLE_RUNS,
     FanoutAdmin,
     action,
-    clipped,
+    confirm_stranded,
     counter_drift_display,
     gauge,
     items_url,
@@ -44,8 +44,11 @@ from .common import (
     page_action_form,
     page_actions,
     redispatch,
+    short_error,
+    stranded_runs,
     time_field,
     timestamp,
+    wrapped,
 )
 from .filters import HELD
 
@@ -72,6 +75,35 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "why": progress.why,
         "stalled": progress.stalled,
     }
+
+
+def key_part(run: BatchRun) -> str:
+    """What tells a run apart from the other runs of its definition: its key without the
+    definition's name, which has its own column (a default key is name:params)."""
+    prefix = f"{run.definition}:"
+    return run.run_key.removeprefix(prefix) if run.run_key != prefix else run.run_key
+
+
+def why_it_failed(run: BatchRun, progress: Progress) -> str:
+    """Why a failed run failed: its error, or (collect and all policies record none) how many
+    items failed and the first one's error."""
+    if run.status != RunStatus.FAILED:
+        return ""
+    if run.error:
+        return short_error(run.error)
+    first = (
+        ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.FAILED)
+        .order_by("finished_at", "index")
+        .only("error")
+        .first()
+    )
+    failed = progress.by_segment.get("failed", 0)
+    text = f"{failed:,} of {progress.total:,} items failed"
+    return f"{text}: {short_error(first.error)} (first)" if first and first.error else text
+
+
+def _offers_retry(buttons: list[tuple]) -> bool:
+    return any(name == "retry_failed_items" for name, *_ in buttons)
 
 
 def get_definition_or_none(name: str) -> Any:
@@ -237,6 +269,12 @@ class BatchRunAdmin(FanoutAdmin):
         response["Cache-Control"] = "no-store"
         return response
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = super().get_readonly_fields(request, obj)
+        if obj is not None and obj.is_terminal:
+            return (*fields, "max_parallel")  # nothing claims for a finished run any more
+        return fields
+
     def save_model(self, request: HttpRequest, obj: BatchRun, form: Any, change: bool) -> None:
         # Write only what the operator changed: every other column belongs to the workers.
         if change:
@@ -254,7 +292,7 @@ class BatchRunAdmin(FanoutAdmin):
 
     @admin.display(description="run", ordering="definition")
     def run_name(self, run: BatchRun) -> str:
-        return format_html("{}{}", run.definition, clipped(run.run_key, "fanout-sub"))
+        return format_html("{}{}", run.definition, wrapped(key_part(run), "fanout-sub"))
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, run: BatchRun) -> str:
@@ -316,6 +354,9 @@ class BatchRunAdmin(FanoutAdmin):
     ) -> Any:
         if obj is not None:
             context.update(self.summary(request, obj))
+            if obj.is_terminal:
+                # Nothing on a finished run's page is editable: no Save buttons.
+                context.update(show_save=False, show_save_and_continue=False)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def summary(self, request: HttpRequest, run: BatchRun) -> dict[str, Any]:
@@ -357,10 +398,11 @@ class BatchRunAdmin(FanoutAdmin):
             ],
             "join_result_json": json.dumps(run.join_result, indent=2),
             "counter_drift": counter_drift_display(self, run) if run.counter_drift else "",
+            "failed_why": why_it_failed(run, progress),
             "failures": [
                 {
                     "group": g,
-                    "error": last_line(g.example.error) if g.example else "",
+                    "error": short_error(g.example.error) if g.example else "",
                     "url": items_url(run=run.pk, status="failed", error_class=g.error_class)
                     if g.error_class
                     else items_url(run=run.pk, status="failed"),
@@ -368,7 +410,8 @@ class BatchRunAdmin(FanoutAdmin):
                 for g in failure_groups(run.pk)
             ],
             "pools": pools,
-            "buttons": self._buttons(request, run, counts["failed"]),
+            "buttons": (buttons := self._buttons(request, run, counts["failed"])),
+            "retry_note": self._retry_note(run) if buttons and _offers_retry(buttons) else "",
             **dict(
                 zip(
                     ("action_url", "action_field"),
@@ -403,6 +446,21 @@ class BatchRunAdmin(FanoutAdmin):
         return buttons
 
     @staticmethod
+    def _retry_note(run: BatchRun) -> str:
+        """What the retry button does with an inline run, said before it is pressed."""
+        if run.executor != "inline":
+            return ""
+        stranded = stranded_runs([run])
+        if stranded:
+            return (
+                "This run uses the inline executor and RQ cannot take it over here "
+                f"({stranded[0][1]}): retried items stay pending until someone runs "
+                f"`manage.py run_fanout --resume {run.pk}`."
+            )
+        queue = get_definition(run.definition).queue
+        return f"This run uses the inline executor: retried items run on RQ workers ({queue!r})."
+
+    @staticmethod
     def _pool_url(pool: CapacityPool | None) -> str:
         if pool is None:
             return ""
@@ -411,9 +469,11 @@ class BatchRunAdmin(FanoutAdmin):
     # ------------------------------------------------------------------ actions
 
     @action(description="Retry failed items", permissions=["retry"])
-    def retry_failed_items(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
+    def retry_failed_items(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> Any:
         failed = ItemClaim.objects.filter(run=OuterRef("pk"), status=ItemStatus.FAILED)
         runs = list(queryset.filter(status__in=RETRYABLE_RUNS).filter(Exists(failed)))
+        if confirm := confirm_stranded(self, request, runs, "Retry failed items"):
+            return confirm
         retried = 0
         for run in runs:
             count = recover.retry_failed(run)

@@ -4,7 +4,9 @@ failures of a run are found and retried in two clicks.
 Drives the machine's Chromium (/usr/bin/chromium, installed with apt-get when missing) with
 Playwright against pytest-django's live server. Screenshots are saved in test-artifacts/:
 console-*.png for the pages as a stranger first sees them (console-1366-*.png at 1366 px),
-and runs.png, run-page.png and failed-items.png along the retry.
+and runs.png, run-page.png and failed-items.png along the retry. The pages a newcomer reads
+first are shot at 1280, 1400 and 1920 px and at a phone's 390 px into docs/screenshots/, which
+the docs show: those are committed, so they come from this test and nowhere else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .helpers import make_run
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+WIDTHS = (1280, 1400, 1920, 390)  # two laptops, a desktop, a phone
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -40,6 +44,7 @@ CHROMIUM_ARGS = [
 ]
 PASSWORD = "a long operator password"
 WIDTH = 1400  # the screenshots' width; the layout is also checked at 1366
+THREE_LINES = 70  # px: a list row whose error or worker wraps to three lines
 LONG_ERROR = (
     "botocore.exceptions.ClientError: An error occurred (SlowDown) when calling the PutObject "
     "operation (reached max retries: 4): Please reduce your request rate. The bucket "
@@ -206,16 +211,18 @@ def test_every_console_page_fits_a_laptop_screen_with_errors_and_reasons_in_view
         page.goto(f"{admin}/itemclaim/?run={busy.pk}&status=failed")
         expect(page.locator("#result_list tbody tr")).to_have_count(14)
         shoot("failed-items")
-        assert_fits(page, "#result_list td.field-last_error", row_height=45)
-        assert_fits(page, "#result_list td.field-duration_display", row_height=45)
-        error = page.locator("#result_list td.field-last_error .fanout-clip").first
-        expect(error).to_have_attribute("title", LONG_ERROR)
+        # An error wraps to three lines at most: its class and message are read, not hovered.
+        assert_fits(page, "#result_list td.field-last_error", row_height=THREE_LINES)
+        assert_fits(page, "#result_list td.field-duration_display", row_height=THREE_LINES)
+        error = page.locator("#result_list td.field-last_error .fanout-wrap").first
+        expect(error).to_have_attribute("title", LONG_ERROR.removeprefix("botocore.exceptions."))
+        expect(error).to_contain_text("ClientError: An error occurred (SlowDown)")
 
         # All its items, every column: still no sideways scrolling.
         page.goto(f"{admin}/itemclaim/?run={busy.pk}&o=-3")
         shoot("all-items", full_page=False)
-        assert_fits(page, "#result_list td.field-last_error", row_height=45)
-        assert_fits(page, "#result_list td.field-duration_display", row_height=45)
+        assert_fits(page, "#result_list td.field-last_error", row_height=THREE_LINES)
+        assert_fits(page, "#result_list td.field-duration_display", row_height=THREE_LINES)
 
         # Its pending items, each with why it waits.
         page.goto(f"{admin}/itemclaim/?run={busy.pk}&status=pending")
@@ -248,7 +255,7 @@ def test_every_console_page_fits_a_laptop_screen_with_errors_and_reasons_in_view
 
 
 @contextlib.contextmanager
-def chromium_page(width: int = WIDTH) -> Iterator[Any]:
+def chromium_page(width: int = WIDTH, height: int = 1000) -> Iterator[Any]:
     """A Chromium page; the test touches the database only outside this block, where Django's
     connections are the ones pytest-django closes (Playwright runs its own event loop)."""
     from playwright.sync_api import sync_playwright
@@ -258,7 +265,7 @@ def chromium_page(width: int = WIDTH) -> Iterator[Any]:
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
         )
         try:
-            page = browser.new_page(viewport={"width": width, "height": 1000})
+            page = browser.new_page(viewport={"width": width, "height": height})
             page.set_default_timeout(15_000)
             yield page
         finally:
@@ -409,7 +416,7 @@ def test_trees_compensations_and_attempt_histories_read_plainly_at_1400_px(
         expect(page.locator("#result_list tbody tr")).to_have_count(undone)
         expect(page.locator("#result_list tbody tr").first).to_contain_text("Compensated")
         shoot("compensated-items")
-        assert_fits(page, "#result_list td", row_height=45)
+        assert_fits(page, "#result_list td", row_height=THREE_LINES)
 
         # The email step's page keeps both failed attempts: when, where, how long and why.
         page.goto(f"{admin}/itemclaim/{email.pk}/change/")
@@ -419,3 +426,137 @@ def test_trees_compensations_and_attempt_histories_read_plainly_at_1400_px(
         expect(history.first).to_contain_text("smtp hiccup on attempt 1")
         shoot("attempt-history")
         assert_fits(page, "table.fanout-attempts td, fieldset")
+
+
+PERMANENT = "fanout.errors.PermanentError"
+CARD_DECLINED = "card declined by the issuer (insufficient funds)"
+WORKER = "worker-7.eu-west-1.internal:48211:fanout-drain-3"
+
+
+def glance_runs() -> dict[str, Any]:
+    """Two runs of one definition told apart by their params, one failed under collect, and
+    the pool they share."""
+    pool = CapacityPool.objects.create(name="payments-api", max_concurrency=8, rate_count=50)
+    failed = make_run(
+        {"succeeded": 17, "failed": 3},
+        status=RunStatus.FAILED,
+        pool=pool.name,
+        run_key='admin-console:{"month":"2026-11","region":"eu-west-1"}',
+    )
+    ItemClaim.objects.filter(run=failed, status=ItemStatus.FAILED).update(
+        error=f"Traceback (most recent call last):\n  ...\n{PERMANENT}: {CARD_DECLINED}",
+        error_class="PermanentError",
+        owner=WORKER,
+    )
+    running = make_run(
+        {"succeeded": 5, "running": 2, "pending": 13},
+        pool=pool.name,
+        run_key='admin-console:{"month":"2026-10","region":"eu-west-1"}',
+    )
+    return {"pool": pool, "failed": failed, "running": running}
+
+
+def seen_whole(locator: Any) -> dict[str, Any]:
+    """Scroll the page (never a list sideways) to the element; say whether all of it is on the
+    screen and none of its text is cut, by itself or by a box around it."""
+    return locator.evaluate(
+        """(el) => {
+            window.scrollBy(0, el.getBoundingClientRect().top - innerHeight / 3);
+            const r = el.getBoundingClientRect();
+            const cutBy = [];
+            for (let box = el.parentElement; box; box = box.parentElement) {
+                const style = getComputedStyle(box);
+                if (style.overflowX === "visible" && style.overflowY === "visible") continue;
+                const b = box.getBoundingClientRect();
+                if (r.left < b.left - 1 || r.right > b.right + 1 ||
+                    r.top < b.top - 1 || r.bottom > b.bottom + 1) {
+                    cutBy.push(box.tagName + "." + box.className);
+                }
+            }
+            return {
+                text: el.innerText,
+                left: r.left, right: r.right, top: r.top, bottom: r.bottom,
+                width: innerWidth, height: innerHeight,
+                onScreen: r.width > 0 && r.left >= 0 && r.right <= innerWidth + 1 &&
+                    r.top >= 0 && r.bottom <= innerHeight + 1,
+                cutItself: el.scrollWidth > el.clientWidth + 1 ||
+                    el.scrollHeight > el.clientHeight + 1,
+                cutBy: cutBy,
+            };
+        }"""
+    )
+
+
+def assert_seen_whole(locator: Any, text: str) -> None:
+    from playwright.sync_api import expect
+
+    expect(locator).to_contain_text(text)
+    seen = seen_whole(locator)
+    assert seen["onScreen"] and not seen["cutItself"] and not seen["cutBy"], (text, seen)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at_any_width(
+    live_server, django_user_model, width
+):
+    from playwright.sync_api import expect
+
+    ensure_chromium()
+    expect.set_options(timeout=15_000)  # a loaded machine renders slowly; nothing here polls
+    django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
+    runs = glance_runs()
+    failed, pool = runs["failed"], runs["pool"]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    admin = f"{live_server.url}/admin/fanout"
+
+    with chromium_page(width, height=760) as page:
+
+        def shoot(name: str) -> None:
+            page.evaluate("window.scrollTo(0, 0)")
+            page.screenshot(path=str(SCREENSHOTS / f"{name}-{width}.png"))
+
+        log_in(page, live_server.url, "/admin/fanout/batchrun/")
+
+        # The runs list tells the two runs apart by their params, whole.
+        expect(page.locator("#result_list")).to_be_visible()
+        shoot("runs")
+        keys = page.locator("#result_list td.field-run_name .fanout-wrap")
+        assert_seen_whole(
+            keys.filter(has_text="2026-11"), '{"month":"2026-11","region":"eu-west-1"}'
+        )
+        assert_seen_whole(
+            keys.filter(has_text="2026-10"), '{"month":"2026-10","region":"eu-west-1"}'
+        )
+        # ...and how far each has come, on the screen at a phone's width too.
+        counts = page.locator("#result_list td.field-progress_bar .fanout-counts")
+        assert_seen_whole(counts.first, "/")
+
+        # The failed items: each error's class and message, and the worker that ran it.
+        page.goto(f"{admin}/itemclaim/?run={failed.pk}&status=failed")
+        expect(page.locator("#result_list tbody tr")).to_have_count(3)
+        shoot("failed-items")
+        error = page.locator("#result_list td.field-last_error .fanout-wrap").first
+        assert_seen_whole(error, f"PermanentError: {CARD_DECLINED}")
+        assert "fanout.errors" not in error.inner_text()
+        assert_seen_whole(page.locator("#result_list td.field-lease .fanout-worker").first, WORKER)
+
+        # The run's page says why it failed, and offers nothing to edit or save.
+        page.goto(f"{admin}/batchrun/{failed.pk}/change/")
+        shoot("failed-run")
+        assert_seen_whole(
+            page.locator('[data-field="failed_why"]'),
+            f"3 of 20 items failed: PermanentError: {CARD_DECLINED} (first)",
+        )
+        expect(page.locator('input[name="max_parallel"]')).to_have_count(0)
+        expect(page.locator('input[name="_save"]')).to_have_count(0)
+
+        # The pool's page: the burst it applies, its pause switch, the runs that use it.
+        page.goto(f"{admin}/capacitypool/{pool.pk}/change/")
+        shoot("pool")
+        assert_seen_whole(page.locator(".field-burst_now .readonly"), "50 (the rate count)")
+        assert_seen_whole(page.get_by_role("button", name="Pause pool"), "Pause pool")
+        table = page.locator(".fanout-pool-runs")
+        running = runs["running"]
+        assert_seen_whole(table.get_by_role("link", name=f"#{running.pk} admin-console"), "#")
+        expect(table.locator("tbody tr")).to_have_count(1)  # the failed run has nothing left

@@ -26,6 +26,7 @@ BEFORE_PAGE_ACTIONS = pytest.mark.skipif(
     django.VERSION < (6, 1), reason="actions on an object's page came in Django 6.1"
 )
 
+
 def keys(response) -> list[str]:
     return [i.key for i in response.context["cl"].result_list]
 
@@ -365,3 +366,85 @@ def test_a_status_filter_leaves_out_the_columns_it_would_leave_empty(
 
     assert set(ItemClaimAdmin.list_display) - set(cl.list_display) == left_out
     assert "last_error" in cl.list_display
+
+
+# ------------------------------------------------------------------ reading items at a glance
+
+
+def test_the_failed_item_list_shows_each_errors_short_class_and_its_message(admin_client):
+    run = make_run({"failed": 1}, status=RunStatus.FAILED)
+    ItemClaim.objects.filter(run=run).update(
+        error="Traceback (most recent call last):\n  ...\n"
+        "fanout.errors.PermanentError: card declined by the issuer",
+        owner="worker-host-7.eu-west-1.internal:48211:fanout-drain-3",
+    )
+
+    page = admin_client.get(CHANGELIST, {"run": run.pk, "status": "failed"}).content.decode()
+
+    assert ">PermanentError: card declined by the issuer</span>" in page
+    assert "fanout.errors.PermanentError" not in page.split('title="')[-1]
+    # The worker wraps between its parts instead of being cut.
+    assert "worker-host-7.eu-west-1.internal:<wbr>48211:<wbr>fanout-drain-3" in page
+
+
+def test_only_a_pending_item_shows_when_its_next_attempt_may_start(admin_client):
+    run = make_run({"succeeded": 1, "pending": 1})
+    done, pending = ItemClaim.objects.filter(run=run).order_by("index")
+
+    assert (
+        "next attempt not before" not in admin_client.get(item_url(done)).content.decode().lower()
+    )
+    assert "next attempt not before" in admin_client.get(item_url(pending)).content.decode().lower()
+
+
+def test_a_lost_workers_attempt_shows_how_long_it_may_have_run_not_its_lease(admin_client):
+    from fanout.models import ItemAttempt
+
+    run = make_run({"pending": 2})
+    early, late = ItemClaim.objects.filter(run=run).order_by("index")
+    started = timezone.now() - timedelta(minutes=10)
+    # Its lease ran out 30 s (the lease) after it started: it may have died at once.
+    ItemAttempt.objects.create(
+        item=early,
+        attempt=1,
+        owner="h:1:t",
+        started_at=started,
+        finished_at=started + timedelta(seconds=30),
+        error_class="WorkerLost",
+        error="lost",
+    )
+    # It renewed for a while: it ran at least until its last renewal, 90 s in.
+    ItemAttempt.objects.create(
+        item=late,
+        attempt=1,
+        owner="h:1:t",
+        started_at=started,
+        finished_at=started + timedelta(seconds=120),
+        error_class="WorkerLost",
+        error="lost",
+    )
+
+    assert "lost after at most 30s" in admin_client.get(item_url(early)).content.decode()
+    assert "lost after 1m 30s to 2m 00s" in admin_client.get(item_url(late)).content.decode()
+
+
+def test_retrying_items_of_an_inline_run_without_rq_asks_first(admin_client, settings):
+    settings.RQ_QUEUES = {"default": {"URL": settings.REDIS_URL}}
+    run = make_run({"failed": 2}, status=RunStatus.FAILED)
+    pks = list(ItemClaim.objects.filter(run=run).values_list("pk", flat=True))
+
+    asked = action(admin_client, CHANGELIST, "retry_items", *pks)
+
+    assert asked.status_code == 200
+    assert f"manage.py run_fanout --resume {run.pk}" in asked.content.decode()
+    assert statuses(run) == {"failed": 2}
+    confirmed = admin_client.post(
+        CHANGELIST,
+        {
+            **dict(asked.context["repost"]),
+            "_selected_action": [str(p) for p in pks],
+            "fanout_confirmed": "yes",
+        },
+    )
+    assert confirmed.status_code == 302
+    assert statuses(run) == {"pending": 2}

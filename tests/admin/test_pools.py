@@ -153,3 +153,52 @@ def test_a_pool_that_unfinished_items_use_cannot_be_deleted(admin_client):
     assert deleted.status_code == 302 and not CapacityPool.objects.filter(pk=idle.pk).exists()
     form = admin_client.get(CHANGELIST).context["action_form"]
     assert "delete_selected" not in dict(form.fields["action"].choices)
+
+
+# ------------------------------------------------------------------ the pool's own page
+
+
+def test_the_pool_page_shows_the_burst_it_applies_and_says_whether_it_is_paused(admin_client):
+    pool = CapacityPool.objects.create(name="smtp", max_concurrency=5, rate_count=50)
+
+    page = admin_client.get(change_url(pool)).content.decode()
+
+    assert "50 (the rate count)" in page
+    assert "no: admitting" in page
+    assert "defaults to the rate count" not in page
+
+
+def test_the_pool_page_pauses_and_resumes_its_pool_for_holders_of_the_pause_permission(
+    operator,
+):
+    pool = CapacityPool.objects.create(name="smtp", max_concurrency=5)
+    switch = reverse("admin:fanout_capacitypool_pause", args=[pool.pk])
+    viewer = operator()
+    assert "Pause pool" not in viewer.get(change_url(pool)).content.decode()
+    assert viewer.post(switch, {"paused": "1"}).status_code == 403
+    assert not CapacityPool.objects.get(pk=pool.pk).paused
+
+    pauser = operator("pause_pool")
+    assert "Pause pool" in pauser.get(change_url(pool)).content.decode()
+    assert pauser.get(switch).status_code == 405
+    response = pauser.post(switch, {"paused": "1"})
+    assert response.status_code == 302 and response.url == change_url(pool)
+    assert CapacityPool.objects.get(pk=pool.pk).paused
+    assert "Resume pool" in pauser.get(change_url(pool)).content.decode()
+    pauser.post(switch, {"paused": "0"})
+    assert not CapacityPool.objects.get(pk=pool.pk).paused
+
+
+def test_the_pool_page_lists_the_runs_using_or_waiting_on_it(admin_client):
+    pool = CapacityPool.objects.create(name="smtp", max_concurrency=5)
+    busy = make_run({"running": 2, "pending": 3, "succeeded": 1}, pool="smtp")
+    waiting = make_run({"pending": 4}, pool="smtp")
+    make_run({"succeeded": 2}, pool="smtp", status="succeeded")
+    make_run({"pending": 2}, pool="other")
+
+    runs = admin_client.get(change_url(pool)).context["pool_runs"]
+
+    assert [(r["run_id"], r["running"], r["pending"]) for r in runs] == [
+        (busy.pk, 2, 3),
+        (waiting.pk, 0, 4),
+    ]

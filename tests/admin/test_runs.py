@@ -39,7 +39,7 @@ def test_the_run_list_shows_each_runs_progress_bar_counts_and_rate(admin_client)
 
     assert response.status_code == 200
     html = response.content.decode()
-    assert run.run_key in html
+    assert run.run_key.removeprefix(f"{run.definition}:") in html  # its name has a column
     assert "fanout-seg-succeeded" in html and "fanout-seg-failed" in html
     assert "fanout-seg-waiting" in html and "fanout-seg-running" in html
     assert "2 failed" in html and "1 running" in html and "1 waiting" in html
@@ -197,8 +197,9 @@ def test_retry_failed_items_puts_only_the_failed_items_back_and_reopens_the_run(
     assert {(i.attempt, i.owner, i.finished_at) for i in retried} == {(1, "", None)}
     notes = messages_of(response)
     assert "2 failed items of 1 run back to pending." in notes
-    # The admin never runs items in the web process: it says how to start the inline workers.
-    assert f"`manage.py run_fanout --resume {run.pk}`" in " ".join(notes)
+    # The admin never runs items in the web process: RQ's workers take the inline run over.
+    assert f"run {run.pk} was carried by inline workers" in " ".join(notes)
+    assert run.executor == "rq"
     assert LogEntry.objects.filter(object_id=str(run.pk)).exists()
 
 
@@ -277,7 +278,13 @@ def test_cancel_run_cancels_pending_items_and_lets_running_ones_finish(admin_cli
     )
 
 
-def test_redispatch_of_an_inline_run_says_how_to_start_its_workers(admin_client):
+@pytest.fixture
+def no_rq(settings):
+    """RQ_QUEUES without fanout's queue: the inline executor is all there is."""
+    settings.RQ_QUEUES = {"default": {"URL": settings.REDIS_URL}}
+
+
+def test_redispatch_of_an_inline_run_without_rq_says_how_to_start_its_workers(admin_client, no_rq):
     run = make_run({"pending": 2})
     finished = make_run({"succeeded": 1}, status=RunStatus.SUCCEEDED)
 
@@ -285,9 +292,78 @@ def test_redispatch_of_an_inline_run_says_how_to_start_its_workers(admin_client)
 
     assert messages_of(response) == [
         f"run {run.pk} uses the inline executor: start its workers with "
-        f"`manage.py run_fanout --resume {run.pk}`"
+        f"`manage.py run_fanout --resume {run.pk}` (RQ cannot take over here: RQ_QUEUES has "
+        "no queue 'fanout' for fan-out 'admin-console': add \"fanout\": {\"URL\": REDIS_URL} "
+        "to RQ_QUEUES)"
     ]
     assert statuses(run) == {"pending": 2}
+    assert BatchRun.objects.get(pk=run.pk).executor == "inline"
+
+
+def test_retrying_an_inline_run_where_rq_is_configured_hands_it_to_rq_after_commit(
+    admin_client, django_capture_on_commit_callbacks
+):
+    run = make_run({"succeeded": 1, "failed": 2}, status=RunStatus.FAILED)
+
+    # Not executed: the jobs would go to the shared Redis, to workers of another database.
+    with django_capture_on_commit_callbacks() as enqueues:
+        response = action(admin_client, CHANGELIST, "retry_failed_items", run.pk)
+
+    assert response.status_code == 302
+    assert statuses(run) == {"succeeded": 1, "pending": 2}
+    assert BatchRun.objects.get(pk=run.pk).executor == "rq"
+    assert len(enqueues) >= 1
+    assert (
+        f"run {run.pk} was carried by inline workers: its items now run on RQ workers "
+        "(queue 'fanout')."
+    ) in messages_of(response)
+
+
+def test_retrying_an_inline_run_without_rq_asks_first_and_says_how_its_items_will_run(
+    admin_client, no_rq
+):
+    run = make_run({"succeeded": 1, "failed": 2}, status=RunStatus.FAILED)
+
+    asked = action(admin_client, CHANGELIST, "retry_failed_items", run.pk)
+
+    # Nothing changed yet: the page says what the retry would leave behind.
+    assert asked.status_code == 200
+    assert statuses(run) == {"succeeded": 1, "failed": 2}
+    text = asked.content.decode()
+    assert "RQ cannot take it over here" in text
+    assert f"manage.py run_fanout --resume {run.pk}" in text
+
+    response = admin_client.post(
+        CHANGELIST,
+        {
+            "action": "retry_failed_items",
+            "index": 0,
+            "_selected_action": [str(run.pk)],
+            "fanout_confirmed": "yes",
+        },
+    )
+
+    assert response.status_code == 302
+    assert statuses(run) == {"succeeded": 1, "pending": 2}
+    assert BatchRun.objects.get(pk=run.pk).executor == "inline"
+    assert any(
+        f"start its workers with `manage.py run_fanout --resume {run.pk}`" in m
+        for m in messages_of(response)
+    )
+
+
+def test_the_run_page_says_before_the_retry_what_will_run_an_inline_runs_items(
+    admin_client, settings
+):
+    run = make_run({"succeeded": 1, "failed": 2}, status=RunStatus.FAILED)
+    page = admin_client.get(change_url(run))
+    assert "retried items run on RQ workers ('fanout')" in page.context["retry_note"]
+    assert 'data-field="retry_note"' in page.content.decode()
+
+    settings.RQ_QUEUES = {"default": {"URL": settings.REDIS_URL}}
+    note = admin_client.get(change_url(run)).context["retry_note"]
+    assert "RQ cannot take it over here" in note
+    assert f"until someone runs `manage.py run_fanout --resume {run.pk}`" in note
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fanout.rq") is None, reason="no fanout.rq")
@@ -355,17 +431,28 @@ def test_the_run_page_shows_only_the_buttons_its_viewer_may_press(operator):
     assert [b[0] for b in buttons] == ["cancel_runs"]
 
 
-def test_retrying_several_inline_runs_tells_the_operator_once_how_to_resume_them(admin_client):
+def test_retrying_several_inline_runs_tells_the_operator_once_how_to_resume_them(
+    admin_client, no_rq
+):
     a = make_run({"failed": 1}, status=RunStatus.FAILED)
     b = make_run({"failed": 2}, status=RunStatus.FAILED)
 
-    response = action(admin_client, CHANGELIST, "retry_failed_items", a.pk, b.pk)
+    response = admin_client.post(
+        CHANGELIST,
+        {
+            "action": "retry_failed_items",
+            "index": 0,
+            "_selected_action": [str(a.pk), str(b.pk)],
+            "fanout_confirmed": "yes",
+        },
+    )
 
-    assert messages_of(response) == [
-        "3 failed items of 2 runs back to pending.",
+    notes = messages_of(response)
+    assert notes[0] == "3 failed items of 2 runs back to pending."
+    assert notes[1].startswith(
         f"runs {a.pk}, {b.pk} use the inline executor: start their workers with "
-        "`manage.py run_fanout --resume ID`",
-    ]
+        "`manage.py run_fanout --resume ID` (RQ cannot take over here: "
+    )
 
 
 # ------------------------------------------------------------------ why it waits
@@ -465,3 +552,62 @@ def test_the_run_list_says_why_a_run_with_nothing_running_waits_for_its_held_ite
     html = admin_client.get(CHANGELIST).content.decode()
 
     assert ">provider-a: pool paused (9)</span>" in html
+
+
+# ------------------------------------------------------------------ reading a run at a glance
+
+
+def test_the_run_list_shows_the_part_of_the_run_key_that_tells_runs_apart(admin_client):
+    make_run({"succeeded": 1}, run_key='admin-console:{"month":"2026-11"}')
+
+    page = admin_client.get(CHANGELIST).content.decode()
+
+    # The definition has its own column: the cell shows the params, whole, wrapping.
+    assert (
+        '<span class="fanout-wrap fanout-sub" title="{&quot;month&quot;:&quot;2026-11&quot;}">'
+        in page
+    )
+    assert "admin-console:{" not in page
+
+
+def test_a_run_that_failed_under_collect_says_how_many_items_failed_and_the_first_error(
+    admin_client,
+):
+    run = make_run({"succeeded": 17, "failed": 3}, status=RunStatus.FAILED)
+    assert run.error == ""
+
+    page = admin_client.get(change_url(run))
+
+    why = "3 of 20 items failed: ValueError: item 17 broke (first)"
+    assert page.context["failed_why"] == why
+    assert f"Why it failed: {why}" in page.content.decode()
+
+
+def test_a_finished_run_has_no_editable_field_and_no_save_button(admin_client):
+    run = make_run({"succeeded": 2}, status=RunStatus.SUCCEEDED, max_parallel=4)
+    running = make_run({"pending": 2})
+
+    page = admin_client.get(change_url(run)).content.decode()
+    assert 'name="max_parallel"' not in page
+    assert 'name="_save"' not in page and 'name="_continue"' not in page
+    admin_client.post(change_url(run), {"max_parallel": 99, "_save": "Save"})
+    assert BatchRun.objects.get(pk=run.pk).max_parallel == 4
+    # A running run keeps its one editable limit.
+    assert 'name="max_parallel"' in admin_client.get(change_url(running)).content.decode()
+
+
+def test_the_run_pages_retry_of_an_inline_run_without_rq_asks_first_then_comes_back(
+    admin_client, no_rq
+):
+    run = make_run({"succeeded": 1, "failed": 2}, status=RunStatus.FAILED)
+
+    asked = page_action(admin_client, change_url(run), "retry_failed_items", run.pk)
+
+    assert asked.status_code == 200 and statuses(run) == {"succeeded": 1, "failed": 2}
+    repost = dict(asked.context["repost"])
+    repost["fanout_confirmed"] = "yes"
+    target = asked.wsgi_request.path
+    response = admin_client.post(target, repost)
+
+    assert response.status_code == 302 and response.url == change_url(run)
+    assert statuses(run) == {"succeeded": 1, "pending": 2}
