@@ -9,6 +9,7 @@ from typing import Any
 
 from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
+from django.db.models import F
 from django.test import Client
 from django.utils import timezone
 
@@ -140,6 +141,14 @@ def make_run(
             rows.append(row)
             index += 1
     ItemClaim.objects.bulk_create(rows, batch_size=5000)
+    # The counters are the rows (as every transition keeps them): running items hold slots.
+    running = sum(n for s, n in counts.items() if s in (ItemStatus.RUNNING, ItemStatus.WAITING))
+    BatchRun.objects.filter(pk=run.pk).update(in_flight=running)
+    if pool:
+        CapacityPool.objects.filter(name=pool).update(
+            in_flight=F("in_flight") + counts.get(ItemStatus.RUNNING, 0)
+        )
+    run.refresh_from_db()
     return run
 
 
