@@ -8,7 +8,8 @@ UPDATE (the fleet's election: each run is looked at by one process at a time), a
   workers, Redis lost its jobs); slots whose job failed or vanished are freed first, and why a
   job failed is recorded on the run, for the admin and ``run_fanout`` to show;
 - a run whose items are all finished is joined, and a join whose worker died (its lease ran
-  out) or that raised (its retry is due) is taken over.
+  out) or that raised (its retry is due) is taken over;
+- a compensating run's forward items whose workers died are released, so that it can end.
 
 It needs no cron and no parent, and Redis may lose everything: the rows say what to do.
 """
@@ -58,11 +59,11 @@ def tend(run_id: int) -> str:
     run = BatchRun.objects.filter(pk=run_id).first()
     if run is None or run.is_terminal:
         return "nothing: the run is over"
-    if run.status == RunStatus.COMPENSATING:
-        return _tend_compensation(run)
     from .nest import resolve_waiting
 
     resolve_waiting(run_id)  # children that ended while nobody decided their parent item
+    if run.status == RunStatus.COMPENSATING:
+        return _tend_compensation(run)
     unfinished = ItemClaim.objects.filter(run_id=run_id).unfinished().exists()
     if not unfinished:
         return "joined" if maybe_join(run_id) else "join held by another worker"
@@ -74,8 +75,9 @@ def tend(run_id: int) -> str:
 
 
 def _tend_compensation(run: BatchRun) -> str:
-    from .compensate import finish
+    from .compensate import finish, release_lost
 
+    release_lost(run.pk)  # forward items whose workers died hold it up otherwise
     if finish(run.pk):
         return "compensation finished"
     if run.executor != "rq":
