@@ -1,7 +1,8 @@
-"""No run waits forever: runs whose workers went away move on.
+"""No run waits forever: runs whose writer, workers or database connection went away move on.
 
-A compensating run whose running items lost their workers finishes with nobody watching,
-every succeeded item undone once.
+A compensating run whose running items lost their workers, a run whose writer was killed
+mid-work-list, and one whose writer lost its database connection all finish with nobody
+watching, every item run (and undone) once.
 """
 
 from __future__ import annotations
@@ -12,18 +13,22 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from fanout.recover import cancel_run
 from tests.procs import other_sessions, wait_until
-from tests.rq.support import describe_runs
+from tests.rq.support import describe_runs, executions, finished_run
+from tests.testapp.fanouts_stuck import stuck_key
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 FAST = {"FANOUT_SUPERVISE_SECONDS": 1, "FANOUT_JOIN_LEASE_SECONDS": 2}
+# A work list of 600 elements, written 100 per commit, that pauses 0.3 s every 50.
+SLOW_LIST = {"n": 600, "page": 50, "pause": 0.3}
 
 
 def kill(workers: list[Any]) -> None:
@@ -109,3 +114,130 @@ def test_cancelling_a_run_with_compensation_cancels_its_child_runs() -> None:
     }
     assert_no_slot_held(run.pk)
     wait_until(lambda: other_sessions() == 0, 30, "the child runs' threads to end")
+
+
+def small_chunks(processes: Any) -> dict[str, str]:
+    """The environment of a process that writes work lists 100 items per commit."""
+    return {
+        **processes.env,
+        "DJANGO_SETTINGS_MODULE": "tests.rq.writer_settings",
+        "FANOUT_MATERIALIZE_CHUNK": "100",
+        **{name: str(value) for name, value in FAST.items()},
+    }
+
+
+def write_slowly(processes: Any, run_key: str) -> Any:
+    """Start `run_fanout --executor rq --no-wait` on a slow work list: the writer."""
+    args = ["run_fanout", "stuck_slow_list", "--executor", "rq", "--no-wait"]
+    args += ["--run-key", run_key] + [f"--param={k}={v}" for k, v in SLOW_LIST.items()]
+    return processes.manage(args, "writer", env=small_chunks(processes))
+
+
+def written_in_part(runs: Any) -> BatchRun:
+    """Wait until the writer has committed 200 items of the (one) run of ``runs``."""
+    return wait_until(
+        lambda: runs.filter(materialized_upto__gte=200).first(),
+        60,
+        "the writer to commit part of the work list",
+    )
+
+
+def terminate_other_sessions() -> None:
+    """End every database session but this test's own, as a restart or a proxy would."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
+def assert_every_item_ran_once(run_id: int) -> None:
+    run = finished_run(run_id, timeout=120)
+    n = SLOW_LIST["n"]
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.join_result == {"items": n, "succeeded": n}
+    assert executions(run_id) == Counter({stuck_key(i): 1 for i in range(n)})
+    assert_no_slot_held(run_id)
+
+
+def test_a_run_whose_writer_was_killed_mid_work_list_is_written_and_run_by_the_workers(
+    processes: Any,
+) -> None:
+    processes.workers(2, **FAST)
+    run_key = uuid.uuid4().hex
+    writer = write_slowly(processes, run_key)
+    run = written_in_part(BatchRun.objects.filter(run_key=run_key))
+    writer.signal(signal.SIGKILL)
+    writer.wait(timeout=10)
+    run.refresh_from_db()
+    assert run.status == RunStatus.PENDING
+    assert run.materialized_upto < SLOW_LIST["n"], "the writer finished before it was killed"
+
+    assert_every_item_ran_once(run.pk)
+
+
+def test_a_run_whose_writer_lost_its_database_connection_is_kept_and_finished(
+    processes: Any,
+) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("pg_terminate_backend is PostgreSQL's")
+    run_key = uuid.uuid4().hex
+    writer = write_slowly(processes, run_key)
+    run = written_in_part(BatchRun.objects.filter(run_key=run_key))
+    terminate_other_sessions()  # the writer's: no worker is up yet
+    code = writer.wait(timeout=60)
+
+    assert code != 0, writer.output()
+    assert BatchRun.objects.filter(pk=run.pk, status=RunStatus.PENDING).exists(), (
+        f"the run was deleted:\n{writer.output()[-2000:]}"
+    )
+    processes.workers(2, **FAST)
+    assert_every_item_ran_once(run.pk)
+
+
+def spawn_slow_child(processes: Any) -> tuple[Any, BatchRun, BatchRun]:
+    """Start a worker that writes in small chunks and a run whose item spawns a slow child
+    run; return the worker, the run and the child once 200 of its items are written."""
+    name = f"writer-{uuid.uuid4().hex[:8]}"
+    writer = processes.manage(["rqworker", "fanout", "--name", name], name, small_chunks(processes))
+    wait_until(lambda: processes.redis.exists(f"rq:worker:{name}"), 60, "the worker to register")
+    parent = get_definition("stuck_slow_spawner").start(
+        {"child": SLOW_LIST}, executor="rq", wait=False
+    )
+    return writer, parent, written_in_part(BatchRun.objects.filter(parent_item__run=parent))
+
+
+def test_a_child_run_whose_writer_was_killed_mid_work_list_is_written_and_run(
+    processes: Any,
+) -> None:
+    writer, parent, child = spawn_slow_child(processes)
+    kill([writer])
+    child.refresh_from_db()
+    assert child.status == RunStatus.PENDING
+    assert child.materialized_upto < SLOW_LIST["n"], "the writer finished before it was killed"
+
+    processes.workers(2, **FAST)
+    parent = finished_run(parent.pk, timeout=120)
+
+    assert parent.status == RunStatus.SUCCEEDED, parent.error
+    assert BatchRun.objects.filter(parent_item__run=parent).count() == 1
+    assert_every_item_ran_once(child.pk)
+
+
+def test_a_child_run_whose_writer_lost_its_database_connection_is_kept_and_its_item_waits(
+    processes: Any,
+) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("pg_terminate_backend is PostgreSQL's")
+    _, parent, child = spawn_slow_child(processes)
+    terminate_other_sessions()  # the worker's, which is writing the child's work list
+
+    processes.workers(1, **FAST)
+    parent = finished_run(parent.pk, timeout=120)
+
+    assert parent.status == RunStatus.SUCCEEDED, parent.error
+    assert not ItemClaim.objects.filter(run=parent, error_class="SpawnFailed").exists()
+    assert list(BatchRun.objects.filter(parent_item__run=parent).values_list("pk", flat=True)) == [
+        child.pk
+    ]
+    assert_every_item_ran_once(child.pk)

@@ -84,3 +84,19 @@ FanOut(
     max_parallel=4,
     lease_seconds=2,
 )
+
+
+def spawn_slow_list(item: Item) -> Any:
+    with executing(item, worker=str(os.getpid())):
+        return item.spawn("stuck_slow_list", params=item.params["child"])
+
+
+# A run whose one item hands a slow work list to a child run: its worker writes the child's.
+FanOut(
+    "stuck_slow_spawner",
+    over=lambda p: range(1),
+    key=stuck_key,
+    do=spawn_slow_list,
+    join=tally,
+    lease_seconds=2,
+)
