@@ -195,15 +195,16 @@ def test_a_run_whose_writer_lost_its_database_connection_is_kept_and_finished(
     assert_every_item_ran_once(run.pk)
 
 
-def spawn_slow_child(processes: Any) -> tuple[Any, BatchRun, BatchRun]:
+def spawn_slow_child(
+    processes: Any, name: str = "stuck_slow_spawner"
+) -> tuple[Any, BatchRun, BatchRun]:
     """Start a worker that writes in small chunks and a run whose item spawns a slow child
     run; return the worker, the run and the child once 200 of its items are written."""
-    name = f"writer-{uuid.uuid4().hex[:8]}"
-    writer = processes.manage(["rqworker", "fanout", "--name", name], name, small_chunks(processes))
-    wait_until(lambda: processes.redis.exists(f"rq:worker:{name}"), 60, "the worker to register")
-    parent = get_definition("stuck_slow_spawner").start(
-        {"child": SLOW_LIST}, executor="rq", wait=False
-    )
+    worker = f"writer-{uuid.uuid4().hex[:8]}"
+    args = ["rqworker", "fanout", "--name", worker]
+    writer = processes.manage(args, worker, small_chunks(processes))
+    wait_until(lambda: processes.redis.exists(f"rq:worker:{worker}"), 60, "the worker to register")
+    parent = get_definition(name).start({"child": SLOW_LIST}, executor="rq", wait=False)
     return writer, parent, written_in_part(BatchRun.objects.filter(parent_item__run=parent))
 
 
@@ -222,6 +223,22 @@ def test_a_child_run_whose_writer_was_killed_mid_work_list_is_written_and_run(
     assert parent.status == RunStatus.SUCCEEDED, parent.error
     assert BatchRun.objects.filter(parent_item__run=parent).count() == 1
     assert_every_item_ran_once(child.pk)
+
+
+def test_a_child_run_whose_writer_died_runs_though_its_parent_item_is_not_run_again(
+    processes: Any,
+) -> None:
+    # Nothing runs the parent item again (crash_budget=0) to write the child on its way.
+    writer, parent, child = spawn_slow_child(processes, "stuck_slow_spawner_once")
+    kill([writer])
+
+    processes.workers(2, **FAST)
+
+    assert_every_item_ran_once(child.pk)
+    parent = finished_run(parent.pk, timeout=60)
+    assert parent.status == RunStatus.FAILED
+    assert parent.items.get().error_class == "WorkerLost"
+    assert executions(parent.pk) == Counter({stuck_key(0): 1})
 
 
 def test_a_child_run_whose_writer_lost_its_database_connection_is_kept_and_its_item_waits(

@@ -100,3 +100,13 @@ FanOut(
     join=tally,
     lease_seconds=2,
 )
+# The same, but an item whose worker dies is not run again (it fails, WorkerLost).
+FanOut(
+    "stuck_slow_spawner_once",
+    over=lambda p: range(1),
+    key=stuck_key,
+    do=spawn_slow_list,
+    join=tally,
+    lease_seconds=2,
+    crash_budget=0,
+)
