@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
@@ -145,6 +145,17 @@ def written_in_part(runs: Any) -> BatchRun:
 def terminate_other_sessions() -> None:
     """End every database session but this test's own, as a restart or a proxy would."""
     with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            cursor.execute(
+                "SELECT id FROM information_schema.processlist"
+                " WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+            )
+            for (session,) in cursor.fetchall():
+                try:
+                    cursor.execute(f"KILL CONNECTION {int(session)}")
+                except DatabaseError:
+                    pass  # it ended meanwhile
+            return
         cursor.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
@@ -179,8 +190,6 @@ def test_a_run_whose_writer_was_killed_mid_work_list_is_written_and_run_by_the_w
 def test_a_run_whose_writer_lost_its_database_connection_is_kept_and_finished(
     processes: Any,
 ) -> None:
-    if connection.vendor != "postgresql":
-        pytest.skip("pg_terminate_backend is PostgreSQL's")
     run_key = uuid.uuid4().hex
     writer = write_slowly(processes, run_key)
     run = written_in_part(BatchRun.objects.filter(run_key=run_key))
@@ -244,8 +253,6 @@ def test_a_child_run_whose_writer_died_runs_though_its_parent_item_is_not_run_ag
 def test_a_child_run_whose_writer_lost_its_database_connection_is_kept_and_its_item_waits(
     processes: Any,
 ) -> None:
-    if connection.vendor != "postgresql":
-        pytest.skip("pg_terminate_backend is PostgreSQL's")
     _, parent, child = spawn_slow_child(processes)
     terminate_other_sessions()  # the worker's, which is writing the child's work list
 
