@@ -93,7 +93,14 @@ def _release_lost(run_id: int) -> int:
     would: a forward claim takes only a running run's items. The caller holds the run's lock."""
     items = ItemClaim.objects.filter(run_id=run_id)
     released = release_expired(items)
-    cancel_pending(items, "cancelled: its worker died, and the run compensates")
+    # Named rows only: an UPDATE over the run's items would lock every row it scans on
+    # InnoDB, and a compensation being recorded holds one of them while it waits for the run.
+    pending = list(items.filter(status=ItemStatus.PENDING).values_list("pk", flat=True))
+    if pending:
+        cancel_pending(
+            ItemClaim.objects.filter(pk__in=pending),
+            "cancelled: its worker died, and the run compensates",
+        )
     return released
 
 
