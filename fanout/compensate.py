@@ -31,7 +31,8 @@ from .conf import host_name
 from .definition import FanOut, Item
 from .lease import keep_alive
 from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
-from .transitions import ClaimedItem
+from .nest import cancel_children
+from .transitions import ClaimedItem, cancel_pending, release_expired
 
 logger = logging.getLogger("fanout")
 
@@ -52,6 +53,8 @@ def begin(run_id: int, reason: str = "") -> bool:
         )
         if changed:
             _sweep(run_id)
+            # Its child runs are forward work too: cancelled once the turn has committed.
+            transaction.on_commit(lambda: cancel_children(run_id, reason or "compensating"))
     return bool(changed)
 
 
@@ -72,6 +75,32 @@ def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> 
         if turned:  # not a run an operator cancelled while it was being joined
             _sweep(run_id)
     return bool(turned)
+
+
+def release_lost(run_id: int) -> int:
+    """Release the forward items of a compensating run whose workers died; return how many."""
+    with transaction.atomic():
+        run = lock_run(run_id)
+        if run is None or run["status"] != RunStatus.COMPENSATING:
+            return 0
+        return _release_lost(run_id)
+
+
+def _release_lost(run_id: int) -> int:
+    """A compensating run runs nothing forward: an item whose worker died is released (a crash
+    counted, its slots given back) and cancelled, like what is still pending. Nothing else
+    would: a forward claim takes only a running run's items. The caller holds the run's lock."""
+    items = ItemClaim.objects.filter(run_id=run_id)
+    released = release_expired(items)
+    # Named rows only: an UPDATE over the run's items would lock every row it scans on
+    # InnoDB, and a compensation being recorded holds one of them while it waits for the run.
+    pending = list(items.filter(status=ItemStatus.PENDING).values_list("pk", flat=True))
+    if pending:
+        cancel_pending(
+            ItemClaim.objects.filter(pk__in=pending),
+            "cancelled: its worker died, and the run compensates",
+        )
+    return released
 
 
 def _sweep(run_id: int) -> int:
@@ -110,6 +139,7 @@ def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
         if run is None or run["status"] != RunStatus.COMPENSATING:
             return Taken(None, run_status=run["status"] if run else "deleted")
         _sweep(run_id)
+        _release_lost(run_id)
         items = ItemClaim.objects.filter(run_id=run_id)
         if items.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING)).exists():
             # Strict reverse order needs every forward item finished first.

@@ -2,7 +2,9 @@
 
 The work list is paged in its own order and inserted in chunks, each chunk in one transaction
 that also advances ``materialized_upto``, so a materializer that dies is resumed where it
-stopped and nothing is inserted twice. One materializer at a time holds a lease on the run.
+stopped and nothing is inserted twice. One materializer at a time holds a lease on the run (the
+definition's ``lease_seconds``); once a dead one's lease runs out, a worker's supervisor finishes
+the writing. Only the definition's own errors drop the run; a database that went away keeps it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from datetime import datetime
 from itertools import islice
 from typing import Any, NamedTuple, cast
 
-from django.db import IntegrityError, connection, transaction
+from django.db import (
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    NotSupportedError,
+    ProgrammingError,
+    connection,
+    transaction,
+)
 from django.db.models import Field, Q, QuerySet
 
 from . import transitions
@@ -29,8 +39,6 @@ from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
 
 logger = logging.getLogger("fanout")
-
-_MATERIALIZE_LEASE_SECONDS = 60.0
 
 
 def create_run(
@@ -88,48 +96,114 @@ def _elements(definition: FanOut, params: dict[str, Any]) -> Iterator[Any]:
     return iter(source)
 
 
-def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
-    """Write the run's items if nobody else is; wait for whoever is. Return the run, refreshed."""
+class WritingInterrupted(MaterializeError):
+    """Writing the items failed for a reason outside the definition (the database went away):
+    the run is kept, and the next writer (a worker's supervisor, a resume) finishes it."""
+
+    def __init__(self, run_id: int, exc: BaseException) -> None:
+        self.run_id = run_id
+        super().__init__(
+            f"run {run_id}: writing its items was interrupted ({type(exc).__name__}: {exc}); "
+            f"the run is kept: a worker finishes writing it, or run_fanout --resume {run_id}"
+        )
+
+
+class _Overtaken(Exception):
+    """Another writer took the run over (this one's lease ran out): it finishes the writing."""
+
+
+def writer_lease_seconds(definition: FanOut) -> float:
+    """How long a writer that stopped renewing keeps the run: a dead one is replaced after it."""
+    return float(definition.lease_seconds)
+
+
+def materialize(run: BatchRun, definition: FanOut, wait: bool = True) -> BatchRun:
+    """Write the run's items if nobody else is; wait for whoever is (unless not ``wait``).
+
+    Return the run, refreshed.
+    """
     while True:
         run.refresh_from_db()
         if run.status != RunStatus.PENDING:
             return run
-        token = uuid.uuid4()
-        won = (
-            BatchRun.objects.filter(pk=run.pk, status=RunStatus.PENDING)
-            .filter(
-                Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=DbNow())
-            )
-            .update(
-                materialize_token=token,
-                materialize_lease_expires_at=db_now_plus(_MATERIALIZE_LEASE_SECONDS),
-            )
-        )
-        if won:
-            break
-        # Another parent is writing the items: wait for it, or for its lease to run out.
+        token = _take_writing(run, definition)
+        if token is not None and _write(run, definition, token):
+            return run
+        if not wait:
+            return run
+        # Another process is writing the items: wait for it, or for its lease to run out.
         time.sleep(0.2)
         if not BatchRun.objects.filter(pk=run.pk).exists():
             raise MaterializeError(
                 f"run {run.pk} was abandoned: writing its items failed in another process"
             )
 
+
+def _take_writing(run: BatchRun, definition: FanOut) -> uuid.UUID | None:
+    """Become the run's writer if nobody is (or its writer's lease ran out); the token or None."""
+    token = uuid.uuid4()
+    won = (
+        BatchRun.objects.filter(pk=run.pk, status=RunStatus.PENDING)
+        .filter(Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=DbNow()))
+        .update(
+            materialize_token=token,
+            materialize_lease_expires_at=db_now_plus(writer_lease_seconds(definition)),
+        )
+    )
+    return token if won else None
+
+
+def _write(run: BatchRun, definition: FanOut, token: uuid.UUID) -> bool:
+    """Write the items as the run's writer and start the run; False if another writer took
+    over meanwhile (it finishes the writing)."""
+    lease = writer_lease_seconds(definition)
+
     def renew() -> None:
         BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
-            materialize_lease_expires_at=db_now_plus(_MATERIALIZE_LEASE_SECONDS)
+            materialize_lease_expires_at=db_now_plus(lease)
         )
 
     try:
-        with keep_alive(renew, _MATERIALIZE_LEASE_SECONDS / 3):
+        with keep_alive(renew, lease / 3):
             total = _write_items(run, definition, token)
+    except _Overtaken:
+        return False
     except Exception as exc:
-        # Nothing has run yet: drop the run so that a fixed definition starts clean.
+        if _interrupted(exc):
+            _let_go(run, token)
+            raise WritingInterrupted(run.pk, exc) from exc
+        # The definition's own error (its work list raised, a duplicate key, a payload that is
+        # not JSON): nothing has run yet, so drop the run and a fixed definition starts clean.
         BatchRun.objects.filter(pk=run.pk, materialize_token=token).delete()
         if isinstance(exc, FanoutError):
             raise
         raise MaterializeError(
             f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
         ) from exc
+    _start(run, token, total)
+    return True
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether writing failed because of the database, not of the definition: a lost or
+    killed connection, a restart, a lock or serialization failure. A constraint, a value that
+    does not fit or a bad query is the definition's own error."""
+    return isinstance(exc, DatabaseError) and not isinstance(
+        exc, IntegrityError | DataError | ProgrammingError | NotSupportedError
+    )
+
+
+def _let_go(run: BatchRun, token: uuid.UUID) -> None:
+    """Give the writing up at once, so that the next writer need not wait for the lease."""
+    try:
+        BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
+            materialize_token=None, materialize_lease_expires_at=None
+        )
+    except DatabaseError:
+        logger.warning("run %s: its writer's lease runs out by itself", run.pk)
+
+
+def _start(run: BatchRun, token: uuid.UUID, total: int) -> None:
     written = dict(total_items=total, materialize_token=None, materialize_lease_expires_at=None)
     started = BatchRun.objects.filter(
         pk=run.pk, materialize_token=token, status=RunStatus.PENDING
@@ -146,7 +220,6 @@ def materialize(run: BatchRun, definition: FanOut) -> BatchRun:
         from .signals import run_started, send
 
         send(run_started, BatchRun, run=run)
-    return run
 
 
 def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
@@ -188,9 +261,7 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
                 if not BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
                     materialized_upto=index
                 ):
-                    raise MaterializeError(
-                        f"run {run.pk}: another process took over writing its items"
-                    )
+                    raise _Overtaken()
                 if copy:
                     _copy_rows(run, rows, due)
                 else:

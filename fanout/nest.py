@@ -37,7 +37,7 @@ def child_run_key(parent_run_id: int, item_key: str) -> str:
 def start_child(parent_run_id: int, item: ClaimedItem, spawn: Spawn) -> BatchRun:
     """Create (or find) the item's child run, write its items and dispatch it."""
     from .dispatch import dispatch
-    from .materialize import create_run, materialize
+    from .materialize import WritingInterrupted, create_run, materialize
 
     parent = BatchRun.objects.get(pk=parent_run_id)
     definition = get_definition(spawn.definition)
@@ -48,7 +48,13 @@ def start_child(parent_run_id: int, item: ClaimedItem, spawn: Spawn) -> BatchRun
         executor=parent.executor,
         parent_item_id=item.pk,
     )
-    child = materialize(child, definition)
+    try:
+        child = materialize(child, definition)
+    except WritingInterrupted as exc:
+        # The database went away mid-write, not the definition: the item waits for its child
+        # all the same, whose writing a worker's supervisor finishes (and dispatches).
+        logger.warning("run %s: child run kept for the next writer: %s", parent_run_id, exc)
+        return child
     dispatch(child, definition, parent.executor)
     return child
 

@@ -8,7 +8,10 @@ UPDATE (the fleet's election: each run is looked at by one process at a time), a
   workers, Redis lost its jobs); slots whose job failed or vanished are freed first, and why a
   job failed is recorded on the run, for the admin and ``run_fanout`` to show;
 - a run whose items are all finished is joined, and a join whose worker died (its lease ran
-  out) or that raised (its retry is due) is taken over.
+  out) or that raised (its retry is due) is taken over;
+- a pending run whose writer died mid-work-list (its lease ran out) is written to the end and
+  dispatched;
+- a compensating run's forward items whose workers died are released, so that it can end.
 
 After tending, it audits the in_flight counters of the runs it took and of a few pools (each
 pool by one supervisor per period) against their rows, and corrects any drift (fanout.audit).
@@ -45,9 +48,14 @@ def take_runs(limit: int = RUNS_PER_SWEEP) -> list[int]:
     """Take up to ``limit`` open runs that no other supervisor has taken this period."""
     period = float(conf.SUPERVISE_SECONDS)
     with transaction.atomic():
+        # A pending run is taken once nobody writes its work list (its writer died or let go).
+        unwritten = Q(status=RunStatus.PENDING) & (
+            Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=DbNow())
+        )
         due = (
             BatchRun.objects.filter(
-                status__in=(RunStatus.RUNNING, RunStatus.JOINING, RunStatus.COMPENSATING)
+                Q(status__in=(RunStatus.RUNNING, RunStatus.JOINING, RunStatus.COMPENSATING))
+                | unwritten
             )
             .filter(Q(tended_until__isnull=True) | Q(tended_until__lte=DbNow()))
             .order_by("tended_until", "pk")
@@ -67,11 +75,13 @@ def tend(run_id: int) -> str:
     run = BatchRun.objects.filter(pk=run_id).first()
     if run is None or run.is_terminal:
         return "nothing: the run is over"
-    if run.status == RunStatus.COMPENSATING:
-        return _tend_compensation(run)
+    if run.status == RunStatus.PENDING:
+        return _tend_writing(run)
     from .nest import resolve_waiting
 
     resolve_waiting(run_id)  # children that ended while nobody decided their parent item
+    if run.status == RunStatus.COMPENSATING:
+        return _tend_compensation(run)
     unfinished = ItemClaim.objects.filter(run_id=run_id).unfinished().exists()
     if not unfinished:
         return "joined" if maybe_join(run_id) else "join held by another worker"
@@ -82,9 +92,42 @@ def tend(run_id: int) -> str:
     return redispatch(run)
 
 
-def _tend_compensation(run: BatchRun) -> str:
-    from .compensate import finish
+def _tend_writing(run: BatchRun) -> str:
+    """Finish writing the work list of a run whose writer died, then dispatch it.
 
+    The work list is deterministic and the items' keys unique, so a second writer adds what
+    the first did not commit, and nothing twice.
+    """
+    from .definition import get_definition
+    from .dispatch import dispatch
+    from .errors import FanoutError
+    from .materialize import materialize
+
+    try:
+        definition = get_definition(run.definition)
+    except FanoutError as exc:
+        note_stall(run.pk, f"{exc} (on host {host_name()})")
+        return "stalled: unknown definition here"
+    try:
+        run = materialize(run, definition, wait=False)
+    except FanoutError as exc:
+        logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
+        return f"not written: {exc}"
+    if run.status == RunStatus.PENDING:
+        return "nothing: another writer holds it"
+    if run.executor == "rq":
+        return f"written; {redispatch(run)}"
+    if run.parent_item_id is not None:
+        # An inline child run: its parent item waits for it, and its writer is gone.
+        dispatch(run, definition, "inline")
+        return "written; dispatched here"
+    return "written: carried by its parent"
+
+
+def _tend_compensation(run: BatchRun) -> str:
+    from .compensate import finish, release_lost
+
+    release_lost(run.pk)  # forward items whose workers died hold it up otherwise
     if finish(run.pk):
         return "compensation finished"
     if run.executor != "rq":
