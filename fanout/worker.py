@@ -473,18 +473,15 @@ def serve_first(run_id: int) -> None:
 def open_runs(names: list[str], executor: str) -> QuerySet[BatchRun, dict[str, Any]]:
     """The open runs of these definitions, carried by ``executor``, that a Roam may serve."""
     runs = BatchRun.objects.filter(status__in=SERVING, executor=executor, definition__in=names)
-    fields = ("pk", "definition", "status", "max_parallel", "in_flight")
+    fields = ("pk", "definition", "status")
     return runs.order_by("pk").values(*fields)[:CANDIDATES]
 
 
 def serving_order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Runs with room for another worker, least recently served by this process first."""
-    ready = [
-        r
-        for r in runs
-        if not (r["status"] == RunStatus.RUNNING and r["in_flight"] >= r["max_parallel"])
-        and not gated(r["pk"])
-    ]
+    """Runs no idle worker of this process is trying (or was just refused by), least recently
+    served first. A run at max_parallel is tried too: its slots may be held by dead owners'
+    expired leases, which only a claim reclaims; a refusal gates it for a moment."""
+    ready = [r for r in runs if not gated(r["pk"])]
     return sorted(ready, key=lambda r: (_served.get(r["pk"], 0.0), random.random()))
 
 
