@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
-from django.db.models import QuerySet
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
@@ -23,7 +23,7 @@ from .definition import FanOut, get_definition, registered
 from .errors import FanoutError
 from .join import maybe_join
 from .lease import Keepers, LeaseKeeper
-from .models import BatchRun, CapacityPool, ItemClaim, RunStatus
+from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
@@ -195,6 +195,9 @@ class Drain:
                 batch = self._hand_over(batch)
                 if batch is not None:
                     self._execute(batch)
+                elif self.roam:
+                    # Nothing to take in our slot: the run has no admissible item for us now.
+                    return "handed over: nothing next"
                 continue
             if batch is None and _gate_wait(self.run_id, wait=not self.roam):
                 if self.roam:
@@ -463,6 +466,8 @@ CANDIDATES = 500  # open runs of a queue a Roam looks at (the oldest first)
 # least recently served run is served first, so every open run of a queue gets threads in turn.
 _served: dict[int, float] = {}
 SERVING = (RunStatus.RUNNING, RunStatus.COMPENSATING)
+# Each run's params, read once per process: a run's params never change.
+_params: dict[int, dict[str, Any]] = {}
 
 
 def serve_first(run_id: int) -> None:
@@ -471,8 +476,18 @@ def serve_first(run_id: int) -> None:
 
 
 def open_runs(names: list[str], executor: str) -> QuerySet[BatchRun, dict[str, Any]]:
-    """The open runs of these definitions, carried by ``executor``, that a Roam may serve."""
-    runs = BatchRun.objects.filter(status__in=SERVING, executor=executor, definition__in=names)
+    """The open runs of these definitions, carried by ``executor``, that a Roam may serve:
+    compensating ones, and running ones with an item to claim and a slot to claim it in (a
+    free one, or a dead owner's expired lease). A run whose items are all held is left to
+    the threads that hold them, instead of being locked by claims that cannot succeed."""
+    items = ItemClaim.objects.filter(run=OuterRef("pk"))
+    waiting = items.filter(status=ItemStatus.PENDING)
+    expired = items.expired()
+    room = Q(in_flight__lt=F("max_parallel")) | Exists(expired)
+    workable = Q(status=RunStatus.COMPENSATING) | (
+        Q(status=RunStatus.RUNNING) & (Exists(waiting) | Exists(expired)) & room
+    )
+    runs = BatchRun.objects.filter(executor=executor, definition__in=names).filter(workable)
     fields = ("pk", "definition", "status")
     return runs.order_by("pk").values(*fields)[:CANDIDATES]
 
@@ -557,11 +572,15 @@ class Roam:
             definition = get_definition(run["definition"])
         except FanoutError:
             return None  # gone from this process's registry: not ours to run
-        params = self._look(
-            lambda: BatchRun.objects.filter(pk=run["pk"]).values_list("params", flat=True).first()
-        )
+        params = _params.get(run["pk"])
         if params is None:
-            return None
+            rows = BatchRun.objects.filter(pk=run["pk"]).values_list("params", flat=True)
+            params = self._look(rows.first)
+            if params is None:
+                return None
+            if len(_params) > CANDIDATES * 4:
+                _params.clear()
+            _params[run["pk"]] = params
         until = self.deadline if alone else min(self.deadline, time.monotonic() + SERVE_SECONDS)
         drain = Drain(
             run["pk"],
