@@ -169,6 +169,16 @@ class Workers:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
+    def pause(self) -> None:
+        """SIGSTOP the workers (each is its own process group), e.g. while runs are written
+        that must reach them together."""
+        for proc in self.procs:
+            os.killpg(proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for proc in self.procs:
+            os.killpg(proc.pid, signal.SIGCONT)
+
     def check(self) -> None:
         """Raise if a worker died or a drain job failed: a failed drain frees its slot only
         when its key expires, and the run would then sit until the benchmark's timeout."""
@@ -1703,13 +1713,25 @@ def concurrency(spans: list[tuple[float, float]]) -> tuple[float, int]:
     return busy / wall if wall > 0 else 0.0, peak
 
 
-def start_runs(name: str, params: dict[str, Any], count: int) -> list[int]:
+def start_runs(
+    name: str, params: dict[str, Any], count: int, pool: Workers | None = None
+) -> list[int]:
+    """Start ``count`` runs; with ``pool``, while its workers are paused, so that the runs
+    reach them together (what is measured is how workers share runs, not how fast this loop
+    writes them)."""
     from fanout.definition import get_definition
 
     definition = get_definition(name)
-    return [
-        definition.start(params, run_key(name), executor="rq", wait=False).pk for _ in range(count)
-    ]
+    if pool is not None:
+        pool.pause()
+    try:
+        return [
+            definition.start(params, run_key(name), executor="rq", wait=False).pk
+            for _ in range(count)
+        ]
+    finally:
+        if pool is not None:
+            pool.resume()
 
 
 def sched_many_runs(pool: Workers) -> dict[str, Any]:
@@ -1717,7 +1739,7 @@ def sched_many_runs(pool: Workers) -> dict[str, Any]:
     reset_tables()
     pool.wait_idle()
     began = time.monotonic()
-    ids = start_runs("bench.small_runs", {"n": 10}, 24)
+    ids = start_runs("bench.small_runs", {"n": 10}, 24, pool)
     started = time.monotonic() - began
     for run_id in ids:
         wait_run(run_id, timeout=300, workers=pool)
