@@ -496,6 +496,9 @@ def serving_order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs no idle worker of this process is trying (or was just refused by), least recently
     served first. A run at max_parallel is tried too: its slots may be held by dead owners'
     expired leases, which only a claim reclaims; a refusal gates it for a moment."""
+    if len(_served) > CANDIDATES * 4:  # forget runs that are no longer open
+        for pk in set(_served) - {r["pk"] for r in runs}:
+            _served.pop(pk, None)
     ready = [r for r in runs if not gated(r["pk"])]
     return sorted(ready, key=lambda r: (_served.get(r["pk"], 0.0), random.random()))
 
