@@ -1745,6 +1745,7 @@ def sched_many_runs(pool: Workers) -> dict[str, Any]:
         wait_run(run_id, timeout=300, workers=pool)
     spans = [s for run_id in ids for s in handler_spans(run_id)]
     effective, peak = concurrency(spans)
+    gaps = thread_gaps(ids)
     return {
         "runs": len(ids),
         "items": len(spans),
@@ -1754,7 +1755,25 @@ def sched_many_runs(pool: Workers) -> dict[str, Any]:
         "first_start_to_last_end": max(e for _, e in spans) - min(s for s, _ in spans),
         "effective_concurrency": effective,
         "peak_concurrency": peak,
+        "gap_between_items_ms": stats([g * 1000 for g in gaps]),
     }
+
+
+def thread_gaps(run_ids: list[int]) -> list[float]:
+    """Seconds each worker thread spent between one handler's end and its next one's start."""
+    from collections import defaultdict
+
+    from fanout.models import ItemClaim
+
+    by_thread: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    rows = ItemClaim.objects.filter(run_id__in=run_ids).values_list("owner", "result")
+    for owner, result in rows:
+        by_thread[owner].append((result[0], result[1]))
+    gaps = []
+    for spans in by_thread.values():
+        spans.sort()
+        gaps += [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+    return gaps
 
 
 def sched_tree(pool: Workers) -> dict[str, Any]:
