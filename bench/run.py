@@ -1756,7 +1756,16 @@ def sched_many_runs(pool: Workers) -> dict[str, Any]:
         "effective_concurrency": effective,
         "peak_concurrency": peak,
         "gap_between_items_ms": stats([g * 1000 for g in gaps]),
+        "running_every_100ms": timeline(spans, 0.1),
     }
+
+
+def timeline(spans: list[tuple[float, float]], step: float) -> list[int]:
+    """Handlers running at each ``step`` from the first start: where the threads idled."""
+    first = min(start for start, _ in spans)
+    last = max(end for _, end in spans)
+    ticks = [first + step * i for i in range(int((last - first) / step) + 1)]
+    return [sum(1 for start, end in spans if start <= t < end) for t in ticks]
 
 
 def thread_gaps(run_ids: list[int]) -> list[float]:

@@ -462,6 +462,7 @@ class Drain:
 # unit of scheduling, so a long run shares the threads with the runs started after it.
 SERVE_SECONDS = 5.0
 CANDIDATES = 500  # open runs of a queue a Roam looks at (the oldest first)
+GATED_PAUSE = 0.05  # seconds a Roam waits before looking again at runs others were trying
 # When this process's threads last began or ended serving each run (time.monotonic()): the
 # least recently served run is served first, so every open run of a queue gets threads in turn.
 _served: dict[int, float] = {}
@@ -543,8 +544,9 @@ class Roam:
                 return "stopped"
             if time.monotonic() >= self.deadline:
                 return "time budget spent"
-            runs = self._look(lambda: list(open_runs(self.names, self.executor)))
-            served, due_soon = self._round(serving_order(runs or []))
+            runs = self._look(lambda: list(open_runs(self.names, self.executor))) or []
+            ready = serving_order(runs)
+            served, due_soon = self._round(ready)
             now = time.monotonic()
             if served or due_soon or self._home_open():
                 idle_since = now
@@ -552,8 +554,13 @@ class Roam:
                     continue
             elif now - idle_since >= self.idle_exit:
                 return "idle: nothing claimable"
+            pause = conf.IDLE_MAX_SECONDS
+            if len(ready) < len(runs):
+                # Runs with work were skipped while another thread of ours tried them: most
+                # such turns end within moments (a collision with another process's claim).
+                pause = min(pause, GATED_PAUSE)
             with _wake:
-                _wake.wait(conf.IDLE_MAX_SECONDS)
+                _wake.wait(pause)
 
     def _round(self, runs: list[dict[str, Any]]) -> tuple[bool, bool]:
         """Serve the first of ``runs`` that has work for us; say whether one had, and whether
