@@ -83,3 +83,37 @@ FanOut("bench.materialize", do=noop, **common)
 # Pool-limited (settings.FANOUT_POOLS): 4 at once with a 50 ms handler; 50 admissions/s.
 FanOut("bench.pool_conc4", do=sleep_pool, pool="bench-conc4", **{**common, "max_parallel": 64})
 FanOut("bench.pool_rate50", do=noop, pool="bench-rate50", **common)
+
+# Scheduling (issue 21): many small runs, a tree, and a per-host limit, all through RQ.
+SMALL_SLEEP = 0.1  # seconds each item of the many-runs phase takes
+HOST_SLEEP = 0.05  # seconds each item of the per-host phase takes
+
+
+def sleep_small(item: Item) -> list[float]:
+    return _sleep(SMALL_SLEEP)
+
+
+def sleep_host(item: Item) -> list:
+    from fanout.conf import host_name
+
+    return [*_sleep(HOST_SLEEP), host_name()]
+
+
+def spawn_child(item: Item) -> object:
+    return item.spawn("bench.tree_child", params={"n": item.params["child_items"]})
+
+
+# A per-customer limit: many such runs open at once must share every worker thread.
+FanOut("bench.small_runs", do=sleep_small, **{**common, "max_parallel": 2})
+FanOut("bench.tree_child", do=sleep_small, **{**common, "max_parallel": 2})
+FanOut(
+    "bench.tree_parent",
+    do=spawn_child,
+    **{**common, "params": {"n": int, "child_items": int}, "max_parallel": 4},
+)
+FanOut(
+    "bench.host_limit",
+    do=sleep_host,
+    host_max_parallel=2,
+    **{**common, "max_parallel": 64},
+)

@@ -123,9 +123,10 @@ class Workers:
     and FANOUT_WORKER_THREADS come from the settings (bench.settings = the project's).
     """
 
-    def __init__(self, count: int, logdir: Path) -> None:
+    def __init__(self, count: int, logdir: Path, env: dict[str, str] | None = None) -> None:
         self.count = count
         self.logdir = logdir
+        self.env = env or {}
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
         self.logs: list[Path] = []
@@ -149,7 +150,7 @@ class Workers:
                     "--max-idle-time",
                     "300",
                 ]
-                self.procs.append(spawn(cmd, log))
+                self.procs.append(spawn(cmd, log, env=self.env))
                 self.names.append(name)
                 self.logs.append(log)
             deadline = time.monotonic() + 60
@@ -167,6 +168,16 @@ class Workers:
 
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
+
+    def pause(self) -> None:
+        """SIGSTOP the workers (each is its own process group), e.g. while runs are written
+        that must reach them together."""
+        for proc in self.procs:
+            os.killpg(proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for proc in self.procs:
+            os.killpg(proc.pid, signal.SIGCONT)
 
     def check(self) -> None:
         """Raise if a worker died or a drain job failed: a failed drain frees its slot only
@@ -1684,6 +1695,175 @@ def phase_pools(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     return out
 
 
+# -------------------------------------------------------------------------- 6. scheduling
+
+
+def concurrency(spans: list[tuple[float, float]]) -> tuple[float, int]:
+    """Handlers' effective concurrency (their seconds over the wall span from the first start
+    to the last end) and the most that ran at any instant, from their own start/end times."""
+    if not spans:
+        return 0.0, 0
+    busy = sum(end - start for start, end in spans)
+    wall = max(end for _, end in spans) - min(start for start, _ in spans)
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    peak = running = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return busy / wall if wall > 0 else 0.0, peak
+
+
+def start_runs(
+    name: str, params: dict[str, Any], count: int, pool: Workers | None = None
+) -> list[int]:
+    """Start ``count`` runs; with ``pool``, while its workers are paused, so that the runs
+    reach them together (what is measured is how workers share runs, not how fast this loop
+    writes them)."""
+    from fanout.definition import get_definition
+
+    definition = get_definition(name)
+    if pool is not None:
+        pool.pause()
+    try:
+        return [
+            definition.start(params, run_key(name), executor="rq", wait=False).pk
+            for _ in range(count)
+        ]
+    finally:
+        if pool is not None:
+            pool.resume()
+
+
+def sched_many_runs(pool: Workers) -> dict[str, Any]:
+    """24 runs with max_parallel=2, 10 items of 100 ms each, started together."""
+    reset_tables()
+    pool.wait_idle()
+    began = time.monotonic()
+    ids = start_runs("bench.small_runs", {"n": 10}, 24, pool)
+    started = time.monotonic() - began
+    for run_id in ids:
+        wait_run(run_id, timeout=300, workers=pool)
+    spans = [s for run_id in ids for s in handler_spans(run_id)]
+    effective, peak = concurrency(spans)
+    gaps = thread_gaps(ids)
+    return {
+        "runs": len(ids),
+        "items": len(spans),
+        "threads": 2 * worker_threads(),
+        "seconds": time.monotonic() - began,
+        "start_seconds": started,
+        "first_start_to_last_end": max(e for _, e in spans) - min(s for s, _ in spans),
+        "effective_concurrency": effective,
+        "peak_concurrency": peak,
+        "gap_between_items_ms": stats([g * 1000 for g in gaps]),
+        "running_every_100ms": timeline(spans, 0.1),
+    }
+
+
+def timeline(spans: list[tuple[float, float]], step: float) -> list[int]:
+    """Handlers running at each ``step`` from the first start: where the threads idled."""
+    first = min(start for start, _ in spans)
+    last = max(end for _, end in spans)
+    ticks = [first + step * i for i in range(int((last - first) / step) + 1)]
+    return [sum(1 for start, end in spans if start <= t < end) for t in ticks]
+
+
+def thread_gaps(run_ids: list[int]) -> list[float]:
+    """Seconds each worker thread spent between one handler's end and its next one's start."""
+    from collections import defaultdict
+
+    from fanout.models import ItemClaim
+
+    by_thread: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    rows = ItemClaim.objects.filter(run_id__in=run_ids).values_list("owner", "result")
+    for owner, result in rows:
+        by_thread[owner].append((result[0], result[1]))
+    gaps = []
+    for spans in by_thread.values():
+        spans.sort()
+        gaps += [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+    return gaps
+
+
+def sched_tree(pool: Workers) -> dict[str, Any]:
+    """A parent with max_parallel=4 over 8 child runs (10 items of 100 ms, max_parallel=2)."""
+    from fanout.models import BatchRun
+
+    reset_tables()
+    pool.wait_idle()
+    [parent] = start_runs("bench.tree_parent", {"n": 8, "child_items": 10}, 1)
+    run = wait_run(parent, timeout=300, workers=pool)
+    children = BatchRun.objects.filter(parent_item__run_id=parent).values_list("pk", flat=True)
+    # A child run is alive from its first handler's start to its last handler's end.
+    alive = []
+    for child in children:
+        spans = handler_spans(child)
+        if spans:
+            alive.append((min(s for s, _ in spans), max(e for _, e in spans)))
+    return {
+        "parent_status": run.status,
+        "children": len(children),
+        "max_children_alive": concurrency(alive)[1],
+    }
+
+
+def sched_hosts(logdir: Path) -> dict[str, Any]:
+    """host_max_parallel=2 on two hosts (FANOUT_HOST_NAME) of 2 workers each: 240 x 50 ms."""
+    from fanout.models import ItemClaim
+
+    reset_tables()
+    hosts = ("bench-host-a", "bench-host-b")
+    pools = [Workers(2, logdir, env={"FANOUT_HOST_NAME": host}) for host in hosts]
+    with pools[0], pools[1]:
+        [run_id] = start_runs("bench.host_limit", {"n": 240}, 1)
+        run = wait_run(run_id, timeout=300, workers=pools[0])
+    rows = ItemClaim.objects.filter(run_id=run_id).values_list("result", flat=True)
+    per_host = {h: concurrency([(r[0], r[1]) for r in rows if r[2] == h])[1] for h in hosts}
+    return {
+        "status": run.status,
+        "items": len(rows),
+        "peak_concurrency": concurrency([(r[0], r[1]) for r in rows])[1],
+        "peak_per_host": per_host,
+    }
+
+
+def phase_scheduling(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """Issue 21: many small runs and a tree share the workers' threads; a per-host limit holds
+    on two hosts and uses both."""
+    out: dict[str, Any] = {}
+    with Workers(2, logdir) as pool:
+        warm_up(pool)
+        out["many_runs"] = retry_db("scheduling/many_runs", lambda: sched_many_runs(pool))
+        out["tree"] = retry_db("scheduling/tree", lambda: sched_tree(pool))
+    out["hosts"] = retry_db("scheduling/hosts", lambda: sched_hosts(logdir))
+    reset_tables()
+    return out
+
+
+def report_scheduling(res: dict[str, Any]) -> list[str]:
+    s = res.get("scheduling", {})
+    if not s:
+        return []
+    lines = ["6. Scheduling across runs (RQ)"]
+    if m := s.get("many_runs"):
+        lines.append(
+            f"many runs: {m['runs']} runs x 10 x 100 ms, max_parallel=2, {m['threads']} threads: "
+            f"effective concurrency {m['effective_concurrency']:.1f} (peak "
+            f"{m['peak_concurrency']}) in {m['seconds']:.1f} s"
+        )
+    if t := s.get("tree"):
+        lines.append(
+            f"tree: parent max_parallel=4 over {t['children']} child runs: "
+            f"{t['max_children_alive']} alive at once (parent {t['parent_status']})"
+        )
+    if h := s.get("hosts"):
+        lines.append(
+            f"per host: host_max_parallel=2, 2 hosts x 2 workers, {h['items']} x 50 ms: "
+            f"{h['peak_concurrency']} at once, per host {h['peak_per_host']}"
+        )
+    return lines
+
+
 # ------------------------------------------------------------------------------ the report
 
 
@@ -1735,6 +1915,40 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 
     pi, tp, base = res.get("per_item", {}), res.get("throughput", {}), res.get("baseline", {})
     pools = res.get("pools", {})
+    sched = res.get("scheduling", {})
+    add(
+        "many runs: effective handler concurrency, 24 runs x max_parallel=2 on 16 threads",
+        sched.get("many_runs", {}).get("effective_concurrency"),
+        ">= 12",
+        lambda v: v >= 12,
+        "threads",
+        "issue 21",
+    )
+    add(
+        "tree: child runs alive at once under a parent with max_parallel=4",
+        sched.get("tree", {}).get("max_children_alive"),
+        "== 4",
+        lambda v: v == 4,
+        "runs",
+        "issue 21",
+    )
+    hosts = sched.get("hosts", {})
+    add(
+        "per host: items at once, host_max_parallel=2 on 2 hosts",
+        hosts.get("peak_concurrency"),
+        "== 4",
+        lambda v: v == 4,
+        "items",
+        "issue 21",
+    )
+    add(
+        "per host: most items at once on one host",
+        max(hosts["peak_per_host"].values()) if hosts.get("peak_per_host") else None,
+        "<= 2",
+        lambda v: v <= 2,
+        "items",
+        "issue 21",
+    )
     add(
         "per-item commit, RQ 2 workers / bare 2-tx loop, 2 connections",
         median(pi, "ratio_rq2_to_bare_2tx_2conn"),
@@ -2214,6 +2428,7 @@ def print_report(res: dict[str, Any]) -> None:
         report_materialize(res),
         report_claims(res),
         report_pools(res),
+        report_scheduling(res),
         report_targets(res),
         report_mariadb(res),
     ]
@@ -2242,7 +2457,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------- main
 
-PHASES = ("per_item", "throughput", "baseline", "materialize", "claims", "pools")
+PHASES = ("per_item", "throughput", "baseline", "materialize", "claims", "pools", "scheduling")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -2459,6 +2674,7 @@ def main(argv: list[str] | None = None) -> int:
         "materialize": lambda: phase_materialize(cfg),
         "claims": lambda: phase_claims(cfg),
         "pools": lambda: phase_pools(cfg, logdir),
+        "scheduling": lambda: phase_scheduling(cfg, logdir),
     }
     digest = res["machine"]["fanout_code_digest"] = code_digest()
     interrupted = False

@@ -128,3 +128,35 @@ class LeaseKeeper:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Keepers:
+    """One started LeaseKeeper per lease length: a worker that serves runs of several
+    definitions renews each item by its own definition's lease."""
+
+    def __init__(self) -> None:
+        self._by_lease: dict[float, LeaseKeeper] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def for_lease(self, lease_seconds: float) -> LeaseKeeper:
+        with self._lock:
+            keeper = self._by_lease.get(lease_seconds)
+            if keeper is None:
+                keeper = self._by_lease[lease_seconds] = LeaseKeeper(lease_seconds)
+                if not self._stopped:
+                    keeper.start()
+            return keeper
+
+    def held(self) -> dict[int, uuid.UUID]:
+        """Every item held by any keeper: pk -> claim token."""
+        with self._lock:
+            keepers = list(self._by_lease.values())
+        return {pk: token for keeper in keepers for pk, token in keeper.held().items()}
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            keepers = list(self._by_lease.values())
+        for keeper in keepers:
+            keeper.stop()

@@ -1,6 +1,9 @@
 """The RQ executor: drain jobs that carry only a run id, in a bounded number of slots per run.
 
-PostgreSQL stays the source of truth; RQ only carries wake-ups. Each run has ``slots`` drain
+PostgreSQL stays the source of truth; RQ only carries wake-ups. A drain job's threads serve
+every open run of its queue, the run that woke them first (fanout.worker.Roam): the item, not
+the run, is the unit of scheduling, so a process never idles while a run of its queue has an
+admissible item, and the job leaves when none has. Each run has ``slots`` drain
 slots; a slot is taken with an atomic ``SET NX`` on a Redis key that a live drain job keeps
 fresh, so two parents dispatching at once enqueue one job per slot, and a slot whose job was
 lost (Redis flushed, worker killed) frees itself when the key expires and is filled again by
@@ -26,11 +29,11 @@ from rq.serializers import JSONSerializer
 from .conf import conf, host_name
 from .definition import FanOut, get_definition
 from .errors import DefinitionNotFound, FanoutError
-from .lease import LeaseKeeper
-from .models import BatchRun, RunStatus
+from .lease import Keepers
+from .models import BatchRun
 from .recover import release
 from .supervise import Supervisor, clear_stall, note_stall
-from .worker import Drain, owner_name
+from .worker import SERVING, Roam, owner_name, serve_first
 
 logger = logging.getLogger("fanout")
 
@@ -243,60 +246,18 @@ def drain_job(run_id: int, slot: int) -> str:
 
 def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     run = BatchRun.objects.filter(pk=run_id).first()
-    if run is None or run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING):
+    if run is None or run.status not in SERVING:
         return f"run {run_id} is {run.status if run else 'gone'}: nothing to do"
-    try:
-        definition = get_definition(run.definition)  # only registered definitions ever run
-    except DefinitionNotFound as exc:
-        from .apps import import_errors
-
-        reason = f"no worker could run {run.definition!r}: unknown fan-out on host "
-        reason += f"{host_name()} (workers started before it was deployed?)"
-        for module, error in import_errors().items():
-            reason += f"; {module} failed to import there: {error}"
-        note_stall(run_id, reason)
-        return str(exc)
+    definition = _definition_here(run)
+    if definition is None:
+        return f"fan-out {run.definition!r} is unknown on host {host_name()}"
     clear_stall(run_id)
-    keeper = LeaseKeeper(definition.lease_seconds)
+    keepers = Keepers()
     stop = threading.Event()
-    deadline = time.monotonic() + conf.DRAIN_SECONDS
-    drains = [
-        Drain(
-            run.pk,
-            definition,
-            keeper,
-            run.params,
-            owner=owner_name(f"rq-{slot}-{i + 1}"),
-            stop=stop,
-            deadline=deadline,
-            # Only where this process supervises (FanoutWorker) may an idle drain leave: the
-            # supervisor brings one back when work appears. RQ's own workers keep theirs.
-            idle_exit=IDLE_EXIT_SECONDS if _supervising.is_set() else None,
-        )
-        for i in range(drain_threads(run, definition))
-    ]
+    roams = _roams(run, definition, slot, keepers, stop)
     outcomes: list[str] = []
-
-    def target(drain: Drain) -> None:
-        try:
-            outcomes.append(drain())
-        except Exception:
-            logger.exception("run %s: drain failed", run_id)
-            outcomes.append("crashed")
-
-    if (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    ):
-        # A forked work horse: a SIGTERM meant for the worker's group stops us gracefully.
-        signal.signal(signal.SIGTERM, lambda signum, frame: _request_stop())
-    threads = [
-        threading.Thread(
-            target=target, args=(d,), name=f"fanout-drain-{run_id}-{slot}-{i + 1}", daemon=True
-        )
-        for i, d in enumerate(drains)
-    ]
-    checked = [0.0]
+    threads = _threads(roams, outcomes, f"fanout-drain-{run_id}-{slot}")
+    _stop_on_sigterm()
     # A lost job's slot must free itself before its items' leases run out, so that idle
     # workers are sent to reclaim them.
     alive_ttl = max(1, min(ALIVE_TTL, int(definition.lease_seconds)))
@@ -304,48 +265,151 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     # beat below for a while: cut it to alive_ttl now, before any item is claimed, or a worker
     # that dies in its first moments holds the slot for ALIVE_TTL, past its items' leases.
     _heartbeat(job, key, alive_ttl, force=True)
-    stopping_since: float | None = None
     _running.add(stop)
-    keeper.start()
     try:
         for thread in threads:
             thread.start()
-        while alive := [t for t in threads if t.is_alive()]:
-            alive[0].join(0.1)
-            _heartbeat(job, key, alive_ttl)
-            if stopping_since is None and _worker_stopping(job, checked):
-                stop.set()  # claim nothing more; items not started are released
-                stopping_since = time.monotonic()
-            if (
-                stopping_since is not None
-                and time.monotonic() - stopping_since > conf.STOP_GRACE_SECONDS
-            ):
-                released = release(keeper.held())
-                logger.warning(
-                    "run %s: worker stopping; released %d unfinished items", run_id, released
-                )
-                return "stopped: items released"
+        if not _watch(job, key, alive_ttl, threads, stop):
+            recorded, released = _give_back(roams, keepers)
+            logger.warning(
+                "run %s: worker stopping; recorded %d finished items, released %d unfinished",
+                run_id,
+                recorded,
+                released,
+            )
+            return "stopped: items released"
     except BaseException:
         # The worker is being shut down hard: give back what we hold before leaving. Items
-        # whose handlers finished are recorded by their threads within moments; the rest are
-        # released (no attempt used), and a late record of them is refused by the fence.
+        # whose handlers finished are recorded (by their threads within moments, or here);
+        # the rest are released (no attempt used), and a late record of them is refused by
+        # the fence.
         stop.set()
         for thread in threads:
             thread.join(1.0)
-        release(keeper.held())
+        _give_back(roams, keepers)
         raise
     finally:
         _running.discard(stop)
-        keeper.stop()
+        keepers.stop()
     result = "; ".join(sorted(set(outcomes))) or "crashed"
     if "time budget spent" in outcomes and not stop.is_set():
-        # Yield the RQ worker to other queued runs, and come back behind them.
-        try:
-            job.connection.delete(key)
-            _enqueue_slot(get_queue(definition), run_id, slot)
-        except (RedisError, FanoutError) as exc:
-            logger.warning("run %s: could not re-enqueue slot %s: %s", run_id, slot, exc)
+        _come_back(job, key, definition, run_id, slot)
     return result
+
+
+def _definition_here(run: BatchRun) -> FanOut | None:
+    """The run's definition in this process, or None after saying on the run why not."""
+    try:
+        return get_definition(run.definition)  # only registered definitions ever run
+    except DefinitionNotFound:
+        from .apps import import_errors
+
+        reason = f"no worker could run {run.definition!r}: unknown fan-out on host "
+        reason += f"{host_name()} (workers started before it was deployed?)"
+        for module, error in import_errors().items():
+            reason += f"; {module} failed to import there: {error}"
+        note_stall(run.pk, reason)
+        return None
+
+
+def _roams(
+    run: BatchRun, definition: FanOut, slot: int, keepers: Keepers, stop: threading.Event
+) -> list[Roam]:
+    """The job's threads: each serves every open run of the run's queue, this one first.
+
+    The run's own share (drain_threads) stays while it is open where nobody supervises (RQ's
+    own workers: no supervisor would bring a drain back); the other threads, and every thread
+    of a FanoutWorker, leave after IDLE_EXIT_SECONDS with nothing to do anywhere. A batched
+    run's job keeps its one thread (see drain_threads).
+    """
+    own = drain_threads(run, definition)
+    count = own if definition.batch_size > 1 else max(own, int(conf.WORKER_THREADS))
+    deadline = time.monotonic() + conf.DRAIN_SECONDS
+    supervised = _supervising.is_set()
+    serve_first(run.pk)  # the run whose job woke us
+    return [
+        Roam(
+            definition.queue,
+            keepers,
+            owner=owner_name(f"rq-{slot}-{i + 1}"),
+            stop=stop,
+            deadline=deadline,
+            home=None if supervised or i >= own else run.pk,
+            idle_exit=IDLE_EXIT_SECONDS,
+        )
+        for i in range(count)
+    ]
+
+
+def _threads(roams: list[Roam], outcomes: list[str], name: str) -> list[threading.Thread]:
+    def target(roam: Roam) -> None:
+        try:
+            outcomes.append(roam())
+        except Exception:
+            logger.exception("queue %s: drain failed", roam.queue)
+            outcomes.append("crashed")
+
+    return [
+        threading.Thread(target=target, args=(r,), name=f"{name}-{i + 1}", daemon=True)
+        for i, r in enumerate(roams)
+    ]
+
+
+def _stop_on_sigterm() -> None:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        # A forked work horse: a SIGTERM meant for the worker's group stops us gracefully.
+        signal.signal(signal.SIGTERM, lambda signum, frame: _request_stop())
+
+
+def _watch(
+    job: Any, key: str, alive_ttl: int, threads: list[threading.Thread], stop: threading.Event
+) -> bool:
+    """Beat while the threads run; once the worker stops, stop them and wait out the grace
+    period. True when every thread returned, False when the grace period ran out first."""
+    checked = [0.0]
+    stopping_since: float | None = None
+    while alive := [t for t in threads if t.is_alive()]:
+        alive[0].join(0.1)
+        _heartbeat(job, key, alive_ttl)
+        if stopping_since is None and _worker_stopping(job, checked):
+            stop.set()  # claim nothing more; items not started are released
+            stopping_since = time.monotonic()
+        if (
+            stopping_since is not None
+            and time.monotonic() - stopping_since > conf.STOP_GRACE_SECONDS
+        ):
+            return False
+    return True
+
+
+def _give_back(roams: list[Roam], keepers: Keepers) -> tuple[int, int]:
+    """Record the items whose handlers returned, then release what never finished.
+
+    A finished item waiting to be recorded with its batch must not be released: it would
+    run again on another worker.
+    """
+    recorded = 0
+    for roam in roams:
+        drain = roam.current
+        if drain is None:
+            continue
+        try:
+            recorded += drain.record_finished()
+        except Exception:  # the database is away: their leases expire and they run again
+            logger.exception("run %s: could not record finished items", drain.run_id)
+    return recorded, release(keepers.held())
+
+
+def _come_back(job: Any, key: str, definition: FanOut, run_id: int, slot: int) -> None:
+    """Yield the RQ worker to other queued jobs, and come back behind them."""
+    try:
+        job.connection.delete(key)
+        _enqueue_slot(get_queue(definition), run_id, slot)
+    except (RedisError, FanoutError) as exc:
+        logger.warning("run %s: could not re-enqueue slot %s: %s", run_id, slot, exc)
 
 
 _last_beat: dict[str, float] = {}

@@ -252,7 +252,8 @@ class Supervisor:
                     prune_round()
                 except Exception:  # the database or Redis is down: the next round tries again
                     logger.exception("supervision round failed")
-                    connection.close()
+                finally:
+                    connection.close()  # an idle worker holds no connection between rounds
         finally:
             connection.close()
 

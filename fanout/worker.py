@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -14,14 +15,15 @@ from functools import partial
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
-from .definition import FanOut
-from .errors import is_transient
+from .definition import FanOut, get_definition, registered
+from .errors import FanoutError, is_transient
 from .join import maybe_join
-from .lease import LeaseKeeper
-from .models import CapacityPool, ItemClaim, RunStatus
+from .lease import Keepers, LeaseKeeper
+from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
@@ -67,16 +69,24 @@ def wake(count: int) -> None:
 _gate: dict[int, float] = {}
 
 
-def _gate_wait(run_id: int) -> bool:
-    """Wait while another idle worker of this process holds the run's turn; True if we waited."""
+def _gate_wait(run_id: int, wait: bool = True) -> bool:
+    """Wait while another idle worker of this process holds the run's turn; True if it was
+    held (a worker that serves other runs too does not wait: it looks elsewhere)."""
     with _wake:
         until = _gate.get(run_id, 0.0)
         now = time.monotonic()
         if until > now:
-            _wake.wait(min(until - now, conf.IDLE_MAX_SECONDS))
+            if wait:
+                _wake.wait(min(until - now, conf.IDLE_MAX_SECONDS))
             return True
         _gate[run_id] = now + conf.IDLE_MAX_SECONDS  # our turn: others wait for our answer
         return False
+
+
+def gated(run_id: int) -> bool:
+    """Whether an idle worker of this process holds the run's turn, or it was just refused."""
+    with _wake:
+        return _gate.get(run_id, 0.0) > time.monotonic()
 
 
 def _gate_set(run_id: int, result: ClaimResult) -> None:
@@ -147,18 +157,33 @@ class Drain:
     # worker is then free for other runs' jobs; the supervisor brings one back when work
     # appears). None: wait until the run is finished (the inline executor's threads).
     idle_exit: float | None = None
+    # Leave as soon as the run has nothing for this thread, to serve another run (a Roam's
+    # drain): another idle worker's turn, a joining run and an idle wait all mean "look
+    # elsewhere" instead of waiting here.
+    roam: bool = False
     executed: int = 0
+    # The batch in hand: its finished outcomes are recorded before a stopping job releases it.
+    batch: Batch | None = None
+    # Seconds until the run's next retry or lease comes due, as the last claim said.
+    retry_in: float | None = None
 
     def __call__(self) -> str:
         """Drain until the run is finished, stopped or the deadline passes; say which."""
+        try:
+            return self.serve()
+        finally:
+            connection.close()
+
+    def serve(self) -> str:
+        """Drain as ``__call__`` does, keeping this thread's connection for what it does next.
+
+        A database error that no retry mends stops it, said on the run; others go up."""
         try:
             return self._loop()
         except DatabaseError as exc:
             if is_transient(exc):
                 raise
             return self._give_up(exc)
-        finally:
-            connection.close()
 
     def _give_up(self, exc: DatabaseError) -> str:
         """Stop on a database error that no retry mends, and say why on the run."""
@@ -191,8 +216,13 @@ class Drain:
                 batch = self._hand_over(batch)
                 if batch is not None:
                     self._execute(batch)
+                elif self.roam:
+                    # Nothing to take in our slot: the run has no admissible item for us now.
+                    return "handed over: nothing next"
                 continue
-            if batch is None and _gate_wait(self.run_id):
+            if batch is None and _gate_wait(self.run_id, wait=not self.roam):
+                if self.roam:
+                    return "busy: another worker's turn"
                 continue
             result = self._claim(batch)
             if result is None:
@@ -214,6 +244,8 @@ class Drain:
                     self.definition, self.run_id, self.owner, self.stop, self.deadline
                 )
             if result.run_status == RunStatus.JOINING:
+                if self.roam:
+                    return "run joining"
                 self._idle(result)  # it may yet compensate, with every worker's help
                 continue
             if not result.run_open:
@@ -229,6 +261,7 @@ class Drain:
             self._idle(result)
 
     def _execute(self, batch: Batch) -> None:
+        self.batch = batch
         for item in batch.items:
             if self.stop.is_set():
                 # A release gives the item back at once and costs no attempt.
@@ -289,6 +322,7 @@ class Drain:
             return batch  # the database went away: record it again
         claim_took(self.definition.name, "hand_over", time.perf_counter() - began)
         self.keeper.drop([outcome.pk])
+        self.batch = None
         if done.written:
             announce(self.run_id, self.definition.name, [outcome])
         if not done.written:
@@ -329,6 +363,7 @@ class Drain:
         )
         if result is None:
             return None
+        self.retry_in = result.retry_in
         claim_took(definition.name, "claim", time.perf_counter() - began)
         if batch is None:
             _gate_set(self.run_id, result)
@@ -347,6 +382,27 @@ class Drain:
         if recorded.terminal:
             self._db(lambda: maybe_join(self.run_id, self.definition))
 
+    def record_finished(self) -> int:
+        """Record the outcomes of the batch in hand whose handlers returned; return how many
+        were written.
+
+        Called by a stopping job's main thread when its grace period is over and this thread
+        is still inside a handler: what finished is recorded, so that only what never finished
+        is released (and runs again elsewhere). The fence makes a later record by this thread
+        drop what was written here.
+        """
+        batch = self.batch
+        if batch is None:
+            return 0
+        done = [o for o in list(batch.outcomes) if o.kind != RELEASED]
+        if not done:
+            return 0
+        recorded = record(self.run_id, batch.token, done, batch.failure_policy, self.definition)
+        self.keeper.drop([o.pk for o in done])
+        if recorded.written:
+            announce(self.run_id, self.definition.name, done)
+        return recorded.written
+
     def _record(self, batch: Batch) -> Recorded:
         return record(
             self.run_id, batch.token, batch.outcomes, batch.failure_policy, self.definition
@@ -358,6 +414,7 @@ class Drain:
         """Stop renewing the batch's leases and say what became of its outcomes."""
         outcomes = batch.outcomes
         self.keeper.drop([i.pk for i in batch.items])
+        self.batch = None
         if recorded is None:
             logger.error(
                 "run %s: could not record %d outcomes; their leases will expire",
@@ -425,3 +482,174 @@ class Drain:
                 if self.stop.wait(pause):
                     return None
                 pause = min(pause * 2, 2.0)
+
+
+# The longest a Roam stays on one run while other runs of its queue are open: items are the
+# unit of scheduling, so a long run shares the threads with the runs started after it.
+SERVE_SECONDS = 5.0
+CANDIDATES = 500  # open runs of a queue a Roam looks at (the oldest first)
+GATED_PAUSE = 0.05  # seconds a Roam waits before looking again at runs others were trying
+# When this process's threads last began or ended serving each run (time.monotonic()): the
+# least recently served run is served first, so every open run of a queue gets threads in turn.
+_served: dict[int, float] = {}
+SERVING = (RunStatus.RUNNING, RunStatus.COMPENSATING)
+# Each run's params, read once per process: a run's params never change.
+_params: dict[int, dict[str, Any]] = {}
+
+
+def serve_first(run_id: int) -> None:
+    """Put a run that has just been dispatched ahead of those already served."""
+    _served.setdefault(run_id, 0.0)
+
+
+def open_runs(names: list[str], executor: str) -> QuerySet[BatchRun, dict[str, Any]]:
+    """The open runs of these definitions, carried by ``executor``, that a Roam may serve:
+    compensating ones, and running ones with an item to claim and a slot to claim it in (a
+    free one, or a dead owner's expired lease). A run whose items are all held is left to
+    the threads that hold them, instead of being locked by claims that cannot succeed."""
+    items = ItemClaim.objects.filter(run=OuterRef("pk"))
+    waiting = items.filter(status=ItemStatus.PENDING)
+    expired = items.expired()
+    room = Q(in_flight__lt=F("max_parallel")) | Exists(expired)
+    workable = Q(status=RunStatus.COMPENSATING) | (
+        Q(status=RunStatus.RUNNING) & (Exists(waiting) | Exists(expired)) & room
+    )
+    runs = BatchRun.objects.filter(executor=executor, definition__in=names).filter(workable)
+    fields = ("pk", "definition", "status")
+    return runs.order_by("pk").values(*fields)[:CANDIDATES]
+
+
+def serving_order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs no idle worker of this process is trying (or was just refused by), least recently
+    served first. A run at max_parallel is tried too: its slots may be held by dead owners'
+    expired leases, which only a claim reclaims; a refusal gates it for a moment."""
+    if len(_served) > CANDIDATES * 4:  # forget runs that are no longer open
+        for pk in set(_served) - {r["pk"] for r in runs}:
+            _served.pop(pk, None)
+    ready = [r for r in runs if not gated(r["pk"])]
+    return sorted(ready, key=lambda r: (_served.get(r["pk"], 0.0), random.random()))
+
+
+@dataclass
+class Roam:
+    """One worker thread that serves every open run of a queue, one run at a time.
+
+    It takes the run this process served least recently that has room, drains it until the
+    run has nothing for this thread (or SERVE_SECONDS pass while other runs wait), and moves
+    on; so a process's threads never idle while any run of their queue has an admissible item,
+    and a run's max_parallel, pools and host limit are decided by the same claim as ever.
+    """
+
+    queue: str
+    keepers: Keepers
+    owner: str
+    stop: threading.Event
+    deadline: float  # time.monotonic() after which it claims no more
+    # Stay while this run is open, even with nothing to do (a worker nobody supervises: no
+    # supervisor would bring a drain back). None: leave after ``idle_exit`` with nothing.
+    home: int | None = None
+    idle_exit: float = 2.0
+    executor: str = "rq"
+    # The drain of the run being served, for a stopping job to record its finished items.
+    current: Drain | None = None
+
+    def __post_init__(self) -> None:
+        self.names = [n for n, d in registered().items() if d.queue == self.queue]
+
+    def __call__(self) -> str:
+        """Serve the queue until stopped, out of time, or idle; say which."""
+        try:
+            return self._loop()
+        finally:
+            connection.close()
+
+    def _loop(self) -> str:
+        idle_since = time.monotonic()
+        while True:
+            if self.stop.is_set():
+                return "stopped"
+            if time.monotonic() >= self.deadline:
+                return "time budget spent"
+            runs = self._look(lambda: list(open_runs(self.names, self.executor))) or []
+            ready = serving_order(runs)
+            served, due_soon = self._round(ready)
+            now = time.monotonic()
+            if served or due_soon or self._home_open():
+                idle_since = now
+                if served:
+                    continue
+            elif now - idle_since >= self.idle_exit:
+                return "idle: nothing claimable"
+            pause = conf.IDLE_MAX_SECONDS
+            if len(ready) < len(runs):
+                # Runs with work were skipped while another thread of ours tried them: most
+                # such turns end within moments (a collision with another process's claim).
+                pause = min(pause, GATED_PAUSE)
+            with _wake:
+                _wake.wait(pause)
+
+    def _round(self, runs: list[dict[str, Any]]) -> tuple[bool, bool]:
+        """Serve the first of ``runs`` that has work for us; say whether one had, and whether
+        a retry or an expiring lease comes due soon on any that had none."""
+        due_soon = False
+        for run in runs:
+            if self.stop.is_set() or time.monotonic() >= self.deadline:
+                break
+            drain = self._serve(run, alone=len(runs) == 1)
+            if drain is None:
+                continue
+            if drain.executed:
+                return True, due_soon
+            due_soon |= drain.retry_in is not None and drain.retry_in <= self.idle_exit
+        return False, due_soon
+
+    def _serve(self, run: dict[str, Any], alone: bool) -> Drain | None:
+        try:
+            definition = get_definition(run["definition"])
+        except FanoutError:
+            return None  # gone from this process's registry: not ours to run
+        params = _params.get(run["pk"])
+        if params is None:
+            rows = BatchRun.objects.filter(pk=run["pk"]).values_list("params", flat=True)
+            params = self._look(rows.first)
+            if params is None:
+                return None
+            if len(_params) > CANDIDATES * 4:
+                _params.clear()
+            _params[run["pk"]] = params
+        until = self.deadline if alone else min(self.deadline, time.monotonic() + SERVE_SECONDS)
+        drain = Drain(
+            run["pk"],
+            definition,
+            self.keepers.for_lease(definition.lease_seconds),
+            params,
+            owner=self.owner,
+            stop=self.stop,
+            deadline=until,
+            idle_exit=0.0,
+            roam=True,
+        )
+        _served[run["pk"]] = time.monotonic()
+        self.current = drain
+        try:
+            drain.serve()
+        finally:
+            self.current = None
+            _served[run["pk"]] = time.monotonic()
+        return drain
+
+    def _home_open(self) -> bool:
+        if self.home is None:
+            return False
+        statuses = (*SERVING, RunStatus.JOINING)
+        return bool(self._look(BatchRun.objects.filter(pk=self.home, status__in=statuses).exists))
+
+    def _look(self, op: Callable[[], T]) -> T | None:
+        """Run a read; None while the database is away (the next round looks again)."""
+        try:
+            return op()
+        except (OperationalError, InterfaceError) as exc:
+            logger.warning("queue %s: database unavailable (%s); retrying", self.queue, exc)
+            connection.close()
+            self.stop.wait(0.5)
+            return None

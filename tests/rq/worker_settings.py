@@ -14,6 +14,7 @@ for _name in (
     "FANOUT_SUPERVISE_SECONDS",
     "FANOUT_JOIN_LEASE_SECONDS",
     "FANOUT_JOIN_RETRY_BACKOFF",
+    "FANOUT_WORKER_THREADS",
 ):
     if os.environ.get(_name):
         globals()[_name] = float(os.environ[_name])

@@ -66,5 +66,9 @@ FanOut("rq_items", do=ledger, max_parallel=4, **common)
 FanOut("rq_crash", do=ledger, lease_seconds=2, max_attempts=1, max_parallel=4, **common)
 # A no-op in batches of 50, to time what the worker class costs per drain job.
 FanOut("rq_noop", do=noop, batch_size=50, max_parallel=100, **common)
+# One item at a time per run: many such runs share one worker process's threads.
+FanOut("rq_single", do=ledger, max_parallel=1, **common)
+# Batches of 3: a thread runs a batch's items one after another and records them together.
+FanOut("rq_batched", do=ledger, batch_size=3, max_parallel=3, **common)
 # Drain jobs go to the queue `fanout-gpu`: only workers started on it run them.
 FanOut("rq_gpu", do=ledger, requires="gpu", max_parallel=2, **common)
