@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import CharField, Count, F, Func, Value
+from django.db.models import Count, F
 
 from . import transitions
 from .clock import db_now
@@ -66,24 +66,11 @@ class ClaimResult:
 _RUN_FIELDS = ("status", "max_parallel", "failure_policy", "in_flight", "compensating")
 
 
-# PostgreSQL: the rest of a claim's transaction is planned without sorts, so that its picks walk
-# fanout_item_claim_idx in work-list order even when statistics have not seen the run yet (they
-# then make reading and sorting every pending row of the run look as cheap). Set by the run's
-# lock, the claim's first statement, so that it costs no round trip of its own.
-WALK_INDEXES = Func(
-    Value("enable_sort"), Value("off"), Value(True), function="set_config", output_field=CharField()
-)
-
-
 def lock_run(run_id: int) -> dict[str, Any] | None:
     """Lock the run's row for this transaction (on every backend) and read what claims need."""
     runs = BatchRun.objects.filter(pk=run_id)
     if connection.features.has_select_for_update:
-        fields: tuple[str, ...] = _RUN_FIELDS
-        if connection.vendor == "postgresql":
-            runs, fields = runs.annotate(walk_indexes=WALK_INDEXES), (*fields, "walk_indexes")
-        row = runs.select_for_update().values(*fields).first()
-        return {f: row[f] for f in _RUN_FIELDS} if row else None
+        return dict(runs.select_for_update().values(*_RUN_FIELDS).first() or {}) or None
     # SQLite has no row locks: writing first takes the database's write lock for the whole
     # transaction, which serialises claimers as FOR UPDATE would (and never upgrades a read lock).
     runs.update(status=F("status"))
@@ -292,6 +279,10 @@ class _Claim:
                 .values(*_FIELDS)[: limit - len(found)]
             )
 
+        with walking_indexes():
+            return self._look(limit, seen, found, look)
+
+    def _look(self, limit: int, seen: set[int], found: list[dict], look: Any) -> list[dict]:
         # Expired leases first: their owners died, and they are the oldest work. Looking costs a
         # query, so a process looks at most twice a second per run, and whenever pending ones
         # run out or the run has no room for new slots (expired items keep theirs).
@@ -442,6 +433,24 @@ class _Claim:
             result.retry_at = _next_due(self.run_id, self.now)
         if result.retry_at is not None:
             result.retry_in = max(0.0, (result.retry_at - self.now).total_seconds())
+
+
+@contextlib.contextmanager
+def walking_indexes() -> Iterator[None]:
+    """PostgreSQL: plan the picks without sorts, so that they walk fanout_item_claim_idx in
+    work-list order even when statistics have not seen the run yet (they then make reading and
+    sorting every pending row of the run look as cheap). Only the picks: the rest of the
+    claim's transaction is planned as usual."""
+    if connection.vendor != "postgresql":
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_sort = off")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_sort = on")
 
 
 def _pool_runs(names: list[str]) -> dict[str, Counter[int]]:

@@ -323,7 +323,8 @@ def test_claiming_a_batch_takes_the_same_few_queries_whatever_the_run_size() -> 
     large_batch = claim_queries(large, 5)
 
     assert len(one) == len(batch) == len(large_batch)
-    assert len(large_batch) <= 6, large_batch
+    # Two of them plan the picks without sorts (claim.walking_indexes).
+    assert len(large_batch) <= 8, large_batch
 
 
 @pytest.mark.django_db

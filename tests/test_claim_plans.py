@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from fanout.claim import claim, lock_run
+from fanout.claim import claim, walking_indexes
 from fanout.clock import db_now
 from fanout.models import BatchRun, ItemClaim
 from tests.conftest import prepare
@@ -84,8 +84,7 @@ def test_the_claims_pick_of_a_run_unseen_by_statistics_walks_an_index_in_work_li
         .select_for_update(skip_locked=True)
         .values("pk", "key", "index")[:8]
     )
-    with transaction.atomic():
-        lock_run(new_run.pk)  # as the claim does before its picks
+    with transaction.atomic(), walking_indexes():  # as the claim plans its picks
         plan = json.loads(query.explain(format="json"))[0]["Plan"]
     _ordered_scan(plan)
 
