@@ -22,7 +22,7 @@ from django.db.models import Count, Exists, OuterRef, Q
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .errors import FanoutError
-from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemAttempt, ItemClaim
+from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemAttempt, ItemClaim, ItemStatus
 from .nest import descendants
 
 # Rows of one kind deleted per transaction: short enough for the locks to be brief, long
@@ -110,12 +110,18 @@ def _tree(root: int) -> list[int]:
     return [root, *descendants(root)]
 
 
+# Items that hold a slot or a claim, or may still: a cancelled run's running items finish after
+# it ended, and their outcomes (and the slots they give back) must not be deleted under them.
+_BUSY = (ItemStatus.PENDING, ItemStatus.RUNNING, ItemStatus.WAITING, ItemStatus.COMPENSATING)
+
+
 def _tree_done(tree: list[int], cutoff: Any) -> bool:
-    """Every run of the tree has ended, before the cutoff."""
+    """Every run of the tree has ended, before the cutoff, and none of its items is busy."""
     return not (
         BatchRun.objects.filter(pk__in=tree)
         .filter(~Q(status__in=TERMINAL_RUN_STATUSES) | Q(finished_at__gt=cutoff))
         .exists()
+        or ItemClaim.objects.filter(run_id__in=tree, status__in=_BUSY).exists()
     )
 
 
@@ -155,7 +161,7 @@ def prune_tree(
         if keep_runs:
             _keep_counts(run_id)
         left = None if max_items is None else max_items - pruned.items
-        items, attempts, done = _delete_items(run_id, batch, keep_runs, left)
+        items, attempts, done = _delete_items(root, run_id, batch, keep_runs, left)
         pruned.items += items
         pruned.attempts += attempts
         if not done:
@@ -191,8 +197,15 @@ def _keep_counts(run_id: int) -> None:
     BatchRun.objects.filter(pk=run_id).update(item_counts=counts)
 
 
+def _still_finished(root: int) -> bool:
+    """Lock the tree's root and say whether it is still finished: a retry or a compensation
+    that reopened it since (under the same lock) stops the prune."""
+    runs = BatchRun.objects.filter(pk=root, status__in=TERMINAL_RUN_STATUSES)
+    return runs.select_for_update().exists()
+
+
 def _delete_items(
-    run_id: int, batch: int, detach_children: bool, most: int | None
+    root: int, run_id: int, batch: int, detach_children: bool, most: int | None
 ) -> tuple[int, int, bool]:
     """Delete a run's items and their attempts, ``batch`` items per transaction, ``most`` in
     all; say how many, and whether none is left."""
@@ -202,6 +215,8 @@ def _delete_items(
         if size <= 0:
             return items, attempts, False
         with transaction.atomic():
+            if not _still_finished(root):
+                return items, attempts, False
             pks = list(
                 ItemClaim.objects.filter(run_id=run_id)
                 .order_by()

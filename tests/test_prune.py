@@ -12,12 +12,17 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
+from django.db import connection, transaction
 
+from fanout.audit import measure_pool
+from fanout.claim import claim
 from fanout.definition import get_definition
-from fanout.models import BatchRun, ItemAttempt, ItemClaim, RunStatus
-from fanout.prune import prune_by_retention
+from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, RunStatus
+from fanout.prune import prune_by_retention, prune_tree, take
+from fanout.record import record
+from fanout.recover import cancel_run, retry_failed
 from fanout.supervise import Supervisor
+from fanout.transitions import SUCCEEDED, ExecutionOutcome
 from tests.conftest import prepare, start
 from tests.procs import child_env, spawn_manage, wait_until
 from tests.test_nesting import wait_tree
@@ -201,3 +206,35 @@ def test_the_supervisor_prunes_by_fanout_retention_and_only_when_it_is_set(setti
     finally:
         supervisor.stop()
     assert left([old_failed]) == {old_failed.pk}  # failures are kept 90 days
+
+
+def test_a_cancelled_run_whose_items_still_run_is_not_pruned_until_they_are_recorded() -> None:
+    CapacityPool.objects.create(name="prune-pool", max_concurrency=2)
+    run = prepare("t_ledger", {"n": 4}, run_key=uuid.uuid4().hex)
+    ItemClaim.objects.filter(run=run).update(pool="prune-pool")
+    BatchRun.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+    taken = claim(run.pk, "worker-1", 2, 60.0, 3, None)
+    assert len(taken.items) == 2 and taken.token is not None
+    cancel_run(run, "stopped by the test")  # its two running items go on
+    age([run], 40)
+
+    assert prune("--older-than", "30d")["roots"] == []
+    with transaction.atomic():
+        assert measure_pool("prune-pool") == (2, 2)
+    # Once their outcomes are recorded the slots are given back, and the run may go.
+    outcomes = [ExecutionOutcome(i.pk, i.key, SUCCEEDED, pool=i.pool) for i in taken.items]
+    record(run.pk, taken.token, outcomes, run.failure_policy)
+    with transaction.atomic():
+        assert measure_pool("prune-pool") == (0, 0)
+    assert prune("--older-than", "30d")["roots"] == [run.pk]
+
+
+def test_a_prune_stops_at_a_run_reopened_under_it() -> None:
+    run = finished_run("t_collect", 40, n=6, permanent=["k00001"])
+    assert take(run.pk)
+    retry_failed(run)  # an operator reopens it after the pruner took it
+
+    pruned = prune_tree(run.pk, batch=2)
+
+    assert pruned.items == 0
+    assert ItemClaim.objects.filter(run=run).count() == 6
