@@ -487,7 +487,9 @@ class Drain:
 # The longest a Roam stays on one run while other runs of its queue are open: items are the
 # unit of scheduling, so a long run shares the threads with the runs started after it.
 SERVE_SECONDS = 5.0
-CANDIDATES = 500  # open runs of a queue a Roam looks at (the oldest first)
+# Open runs of a queue a Roam looks at in one round: a random sample when there are more, so
+# that runs held up for long (a paused pool, a far retry) never hide the runs after them.
+CANDIDATES = 500
 GATED_PAUSE = 0.05  # seconds a Roam waits before looking again at runs others were trying
 # When this process's threads last began or ended serving each run (time.monotonic()): the
 # least recently served run is served first, so every open run of a queue gets threads in turn.
@@ -516,7 +518,7 @@ def open_runs(names: list[str], executor: str) -> QuerySet[BatchRun, dict[str, A
     )
     runs = BatchRun.objects.filter(executor=executor, definition__in=names).filter(workable)
     fields = ("pk", "definition", "status")
-    return runs.order_by("pk").values(*fields)[:CANDIDATES]
+    return runs.order_by("?").values(*fields)[:CANDIDATES]
 
 
 def serving_order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
