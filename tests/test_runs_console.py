@@ -147,3 +147,29 @@ def test_watch_redraws_until_its_count_as_plain_lines_off_a_terminal() -> None:
 def test_an_unknown_run_is_a_clear_error() -> None:
     with pytest.raises(CommandError, match="no run 987654"):
         call_command("fanout_runs", "987654")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["fanout_prune", "--older-than", "1x"],
+        ["fanout_prune", "--older-than", "3d", "--status", "bogus"],
+        ["fanout_runs", "--since", "1x"],
+        ["fanout_runs", "--watch", "--interval", "0"],
+    ],
+)
+def test_a_bad_option_from_the_shell_is_one_clear_line_and_exit_2(
+    database_url: str, args: list[str]
+) -> None:
+    proc = subprocess.run(
+        [PYTHON, "manage.py", *args],
+        cwd=ROOT,
+        env=child_env(database_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"error: argument {args[-2]}" in proc.stderr

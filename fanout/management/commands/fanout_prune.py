@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from argparse import ArgumentTypeError
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandParser
 
 from fanout.errors import FanoutError
 from fanout.models import TERMINAL_RUN_STATUSES
@@ -18,20 +19,23 @@ def _age(text: str) -> timedelta:
     try:
         return parse_age(text)
     except FanoutError as exc:
-        raise CommandError(str(exc), returncode=2) from None
+        raise ArgumentTypeError(str(exc)) from None
 
 
 def _statuses(text: str) -> list[str]:
     try:
         return parse_statuses(text)
     except FanoutError as exc:
-        raise CommandError(str(exc), returncode=2) from None
+        raise ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
-        raise ValueError(text)
+        raise ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from argparse import ArgumentTypeError
 from datetime import timedelta
 from typing import Any
 
@@ -21,14 +22,17 @@ def _age(text: str) -> timedelta:
     try:
         return parse_age(text)
     except FanoutError as exc:
-        raise CommandError(str(exc), returncode=2) from None
+        raise ArgumentTypeError(str(exc)) from None
 
 
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
-        value = kind(text)
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ArgumentTypeError(f"{text!r} is not a number") from None
         if value <= 0:
-            raise ValueError(text)
+            raise ArgumentTypeError(f"must be above 0, got {text}")
         return value
 
     parse.__name__ = kind.__name__
