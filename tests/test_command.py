@@ -221,6 +221,16 @@ def test_an_empty_work_list_that_the_definition_refuses_is_reported_and_leaves_n
     assert not BatchRun.objects.exists()
 
 
+def test_an_empty_work_list_refused_still_prints_one_json_object() -> None:
+    out = StringIO()
+    with pytest.raises(CommandError):
+        call_command("run_fanout", "t_refuse_empty", "--param", "n=0", "--json", stdout=out)
+
+    report = json.loads(out.getvalue())
+    assert report["status"] == "empty" and report["run_id"] is None
+    assert "refuses an empty work list" in report["error"]
+
+
 def test_retry_failed_from_the_command_line_reruns_only_the_failed_items(
     database_url: str,
 ) -> None:

@@ -174,6 +174,9 @@ class Command(BaseCommand):
         try:
             run = self._prepare(options)
         except EmptyWorkList as exc:
+            if options["json"]:  # scripts read one object, whatever the ending
+                empty = {"run_id": None, "status": "empty", "error": str(exc)}
+                self.stdout.write(json.dumps(empty))
             raise RunEnded(str(exc), returncode=EXIT_EMPTY) from None
         except FanoutError as exc:
             raise CommandError(str(exc), returncode=2) from None
