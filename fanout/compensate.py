@@ -134,12 +134,20 @@ def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
 
 
 def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
+    # Forward items whose workers died give their slots back first, in a transaction of their
+    # own: releasing them locks their pools, and the claim below locks the compensations'
+    # pools; in one transaction the two sets would be locked out of name order (the lock
+    # order is the run's row, then pool rows in name order), and a claim or settle of another
+    # run spanning both would deadlock with it. A read first: most claims find none, and
+    # need not take the run's lock twice.
+    forward = ItemClaim.objects.filter(run_id=run_id)
+    if (forward.expired() | forward.filter(status=ItemStatus.PENDING)).exists():
+        release_lost(run_id)
     with transaction.atomic():
         run = lock_run(run_id)
         if run is None or run["status"] != RunStatus.COMPENSATING:
             return Taken(None, run_status=run["status"] if run else "deleted")
         _sweep(run_id)
-        _release_lost(run_id)
         items = ItemClaim.objects.filter(run_id=run_id)
         if items.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING)).exists():
             # Strict reverse order needs every forward item finished first.

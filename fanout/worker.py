@@ -635,6 +635,16 @@ class Roam:
         self.current = drain
         try:
             drain.serve()
+        except DatabaseError as exc:
+            # A deadlock or a lost session on one run (its compensations are not retried as
+            # its items' claims are) costs this thread nothing but its session: it moves on
+            # and comes back to the run in its turn. An error that no retry mends was noted on
+            # the run by the drain already.
+            if not is_transient(exc):
+                raise
+            logger.warning("run %s: database error (%s); serving on", run["pk"], exc)
+            connection.close()
+            self.stop.wait(0.5)
         finally:
             self.current = None
             _served[run["pk"]] = time.monotonic()
