@@ -4,7 +4,8 @@ The work list is paged in its own order and inserted in chunks, each chunk in on
 that also advances ``materialized_upto``, so a materializer that dies is resumed where it
 stopped and nothing is inserted twice. One materializer at a time holds a lease on the run (the
 definition's ``lease_seconds``); once a dead one's lease runs out, a worker's supervisor finishes
-the writing. Only the definition's own errors drop the run; a database that went away keeps it.
+the writing. Only the definition's own errors drop the run (a child run's end failed instead,
+so that its parent item is decided); a database that went away keeps it.
 """
 
 from __future__ import annotations
@@ -173,13 +174,22 @@ def _write(run: BatchRun, definition: FanOut, token: uuid.UUID) -> bool:
             _let_go(run, token)
             raise WritingInterrupted(run.pk, exc) from exc
         # The definition's own error (its work list raised, a duplicate key, a payload that is
-        # not JSON): nothing has run yet, so drop the run and a fixed definition starts clean.
-        BatchRun.objects.filter(pk=run.pk, materialize_token=token).delete()
-        if isinstance(exc, FanoutError):
+        # not JSON): nothing has run yet, so drop the run and a fixed definition starts clean;
+        # a child run ends failed instead, since its parent item may be waiting for it.
+        error = (
+            exc
+            if isinstance(exc, FanoutError)
+            else MaterializeError(
+                f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
+            )
+        )
+        if run.parent_item_id is None:
+            BatchRun.objects.filter(pk=run.pk, materialize_token=token).delete()
+        else:
+            _fail_child(run, token, error)
+        if error is exc:
             raise
-        raise MaterializeError(
-            f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise error from exc
     _start(run, token, total)
     return True
 
@@ -191,6 +201,31 @@ def _interrupted(exc: BaseException) -> bool:
     return isinstance(exc, DatabaseError) and not isinstance(
         exc, IntegrityError | DataError | ProgrammingError | NotSupportedError
     )
+
+
+def _fail_child(run: BatchRun, token: uuid.UUID, error: Exception) -> None:
+    """A child run's work list failed: it ends failed, saying why, instead of being dropped.
+
+    Its parent item may be waiting for it already (this is a writer that took over from one
+    the database interrupted): the failed child decides that item by its run's failure policy,
+    as any failed child does. A rerun of the parent item writes the child afresh
+    (nest.start_child)."""
+    ended = BatchRun.objects.filter(
+        pk=run.pk, materialize_token=token, status=RunStatus.PENDING
+    ).update(
+        status=RunStatus.FAILED,
+        error=str(error),
+        finished_at=DbNow(),
+        materialize_token=None,
+        materialize_lease_expires_at=None,
+    )
+    if not ended:
+        return  # cancelled meanwhile (with its parent, say), or another writer took over
+    from .nest import settle_up
+    from .signals import run_finished, send
+
+    send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run.pk))
+    settle_up(run.pk)
 
 
 def _let_go(run: BatchRun, token: uuid.UUID) -> None:
