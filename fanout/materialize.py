@@ -5,7 +5,8 @@ that also advances ``materialized_upto``, so a materializer that dies is resumed
 stopped and nothing is inserted twice. One materializer at a time holds a lease on the run (the
 definition's ``lease_seconds``); once a dead one's lease runs out, a worker's supervisor finishes
 the writing. Only the definition's own errors drop the run (a child run's end failed instead,
-so that its parent item is decided); a database that went away keeps it.
+so that its parent item is decided); a database that went away keeps it, and so does one whose
+error no retry mends, which the supervisor says on the run and retries with backoff.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from . import transitions
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .definition import FanOut, Item
-from .errors import EmptyWorkList, FanoutError, MaterializeError
+from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
@@ -99,13 +100,23 @@ def _elements(definition: FanOut, params: dict[str, Any]) -> Iterator[Any]:
 
 class WritingInterrupted(MaterializeError):
     """Writing the items failed for a reason outside the definition (the database went away):
-    the run is kept, and the next writer (a worker's supervisor, a resume) finishes it."""
+    the run is kept, and the next writer (a worker's supervisor, a resume) finishes it.
+
+    ``transient`` is False for a database error that no retry mends (see
+    fanout.errors.is_transient): the supervisor says it on the run and backs off."""
 
     def __init__(self, run_id: int, exc: BaseException) -> None:
         self.run_id = run_id
+        self.transient = is_transient(exc)
+        then = (
+            f"a worker finishes writing it, or run_fanout --resume {run_id}"
+            if self.transient
+            else "the database refuses it in a way that retrying will not mend: workers retry "
+            "it with backoff, and the run says why, until the database is fixed"
+        )
         super().__init__(
             f"run {run_id}: writing its items was interrupted ({type(exc).__name__}: {exc}); "
-            f"the run is kept: a worker finishes writing it, or run_fanout --resume {run_id}"
+            f"the run is kept: {then}"
         )
 
 
@@ -196,8 +207,9 @@ def _write(run: BatchRun, definition: FanOut, token: uuid.UUID) -> bool:
 
 def _interrupted(exc: BaseException) -> bool:
     """Whether writing failed because of the database, not of the definition: a lost or
-    killed connection, a restart, a lock or serialization failure. A constraint, a value that
-    does not fit or a bad query is the definition's own error."""
+    killed connection, a restart, a lock or serialization failure, or one that no retry mends
+    (WritingInterrupted.transient tells which). A constraint, a value that does not fit or a
+    bad query is the definition's own error."""
     return isinstance(exc, DatabaseError) and not isinstance(
         exc, IntegrityError | DataError | ProgrammingError | NotSupportedError
     )
