@@ -4,7 +4,9 @@ The work list is paged in its own order and inserted in chunks, each chunk in on
 that also advances ``materialized_upto``, so a materializer that dies is resumed where it
 stopped and nothing is inserted twice. One materializer at a time holds a lease on the run (the
 definition's ``lease_seconds``); once a dead one's lease runs out, a worker's supervisor finishes
-the writing. Only the definition's own errors drop the run; a database that went away keeps it.
+the writing. Only the definition's own errors drop the run (a child run's end failed instead,
+so that its parent item is decided); a database that went away keeps it, and so does one whose
+error no retry mends, which the supervisor says on the run and retries with backoff.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from . import transitions
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .definition import FanOut, Item
-from .errors import EmptyWorkList, FanoutError, MaterializeError
+from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
@@ -98,13 +100,23 @@ def _elements(definition: FanOut, params: dict[str, Any]) -> Iterator[Any]:
 
 class WritingInterrupted(MaterializeError):
     """Writing the items failed for a reason outside the definition (the database went away):
-    the run is kept, and the next writer (a worker's supervisor, a resume) finishes it."""
+    the run is kept, and the next writer (a worker's supervisor, a resume) finishes it.
+
+    ``transient`` is False for a database error that no retry mends (see
+    fanout.errors.is_transient): the supervisor says it on the run and backs off."""
 
     def __init__(self, run_id: int, exc: BaseException) -> None:
         self.run_id = run_id
+        self.transient = is_transient(exc)
+        then = (
+            f"a worker finishes writing it, or run_fanout --resume {run_id}"
+            if self.transient
+            else "the database refuses it in a way that retrying will not mend: workers retry "
+            "it with backoff, and the run says why, until the database is fixed"
+        )
         super().__init__(
             f"run {run_id}: writing its items was interrupted ({type(exc).__name__}: {exc}); "
-            f"the run is kept: a worker finishes writing it, or run_fanout --resume {run_id}"
+            f"the run is kept: {then}"
         )
 
 
@@ -173,24 +185,59 @@ def _write(run: BatchRun, definition: FanOut, token: uuid.UUID) -> bool:
             _let_go(run, token)
             raise WritingInterrupted(run.pk, exc) from exc
         # The definition's own error (its work list raised, a duplicate key, a payload that is
-        # not JSON): nothing has run yet, so drop the run and a fixed definition starts clean.
-        BatchRun.objects.filter(pk=run.pk, materialize_token=token).delete()
-        if isinstance(exc, FanoutError):
+        # not JSON): nothing has run yet, so drop the run and a fixed definition starts clean;
+        # a child run ends failed instead, since its parent item may be waiting for it.
+        error = (
+            exc
+            if isinstance(exc, FanoutError)
+            else MaterializeError(
+                f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
+            )
+        )
+        if run.parent_item_id is None:
+            BatchRun.objects.filter(pk=run.pk, materialize_token=token).delete()
+        else:
+            _fail_child(run, token, error)
+        if error is exc:
             raise
-        raise MaterializeError(
-            f"fan-out {definition.name!r}: the work list failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise error from exc
     _start(run, token, total)
     return True
 
 
 def _interrupted(exc: BaseException) -> bool:
     """Whether writing failed because of the database, not of the definition: a lost or
-    killed connection, a restart, a lock or serialization failure. A constraint, a value that
-    does not fit or a bad query is the definition's own error."""
+    killed connection, a restart, a lock or serialization failure, or one that no retry mends
+    (WritingInterrupted.transient tells which). A constraint, a value that does not fit or a
+    bad query is the definition's own error."""
     return isinstance(exc, DatabaseError) and not isinstance(
         exc, IntegrityError | DataError | ProgrammingError | NotSupportedError
     )
+
+
+def _fail_child(run: BatchRun, token: uuid.UUID, error: Exception) -> None:
+    """A child run's work list failed: it ends failed, saying why, instead of being dropped.
+
+    Its parent item may be waiting for it already (this is a writer that took over from one
+    the database interrupted): the failed child decides that item by its run's failure policy,
+    as any failed child does. A rerun of the parent item writes the child afresh
+    (nest.start_child)."""
+    ended = BatchRun.objects.filter(
+        pk=run.pk, materialize_token=token, status=RunStatus.PENDING
+    ).update(
+        status=RunStatus.FAILED,
+        error=str(error),
+        finished_at=DbNow(),
+        materialize_token=None,
+        materialize_lease_expires_at=None,
+    )
+    if not ended:
+        return  # cancelled meanwhile (with its parent, say), or another writer took over
+    from .nest import settle_up
+    from .signals import run_finished, send
+
+    send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run.pk))
+    settle_up(run.pk)
 
 
 def _let_go(run: BatchRun, token: uuid.UUID) -> None:

@@ -41,12 +41,14 @@ def start_child(parent_run_id: int, item: ClaimedItem, spawn: Spawn) -> BatchRun
 
     parent = BatchRun.objects.get(pk=parent_run_id)
     definition = get_definition(spawn.definition)
+    run_key = child_run_key(parent_run_id, item.key)
+    # A child whose work list failed (it never started) gives way to a new one: the item runs
+    # again (a retry), and a fixed definition starts clean.
+    BatchRun.objects.filter(
+        run_key=run_key, status=RunStatus.FAILED, started_at__isnull=True
+    ).delete()
     child, _ = create_run(
-        definition,
-        spawn.params,
-        child_run_key(parent_run_id, item.key),
-        executor=parent.executor,
-        parent_item_id=item.pk,
+        definition, spawn.params, run_key, executor=parent.executor, parent_item_id=item.pk
     )
     try:
         child = materialize(child, definition)

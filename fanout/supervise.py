@@ -10,7 +10,8 @@ UPDATE (the fleet's election: each run is looked at by one process at a time), a
 - a run whose items are all finished is joined, and a join whose worker died (its lease ran
   out) or that raised (its retry is due) is taken over;
 - a pending run whose writer died mid-work-list (its lease ran out) is written to the end and
-  dispatched;
+  dispatched; one that the database refuses in a way no retry mends says why on the run, and
+  is written again with the re-dispatch's backoff;
 - a compensating run's forward items whose workers died are released, so that it can end.
 
 After tending, it audits the in_flight counters of the runs it took and of a few pools (each
@@ -101,20 +102,36 @@ def _tend_writing(run: BatchRun) -> str:
     from .definition import get_definition
     from .dispatch import dispatch
     from .errors import FanoutError
-    from .materialize import materialize
+    from .materialize import WritingInterrupted, materialize
 
     try:
         definition = get_definition(run.definition)
     except FanoutError as exc:
         note_stall(run.pk, f"{exc} (on host {host_name()})")
         return "stalled: unknown definition here"
+    stalled = bool(run.stalled)
+    if stalled:
+        held = _writing_hold(run, definition)
+        if held:
+            return f"stalled: writing held back {held:.1f} s more"
     try:
         run = materialize(run, definition, wait=False)
+    except WritingInterrupted as exc:
+        if exc.transient:
+            logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
+            return f"not written: {exc}"
+        # The database refuses it the same way however often it is asked: say so on the run,
+        # and write it again only after the stall's backoff.
+        note_stall(run.pk, f"{exc} (on host {host_name()})")
+        return f"stalled: {exc}"
     except FanoutError as exc:
         logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
         return f"not written: {exc}"
     if run.status == RunStatus.PENDING:
         return "nothing: another writer holds it"
+    if stalled and run.stalled:
+        clear_stall(run.pk)  # written: a drain's stall is noted afresh if one comes
+        run.stalled = ""
     if run.executor == "rq":
         return f"written; {redispatch(run)}"
     if run.parent_item_id is not None:
@@ -184,6 +201,22 @@ def _stall_hold(conn: Any, run_id: int, stalled: bool) -> float:
     if not conn.set(hold_key, n, nx=True, px=int(delay * 1000)):
         return max(conn.pttl(hold_key), 1) / 1000  # another supervisor went ahead just now
     return 0.0
+
+
+def _writing_hold(run: BatchRun, definition: Any) -> float:
+    """Seconds a stalled run's writing is still held back (the re-dispatch's backoff, with its
+    count in Redis); 0.0 to write it now.
+
+    Without Redis for the definition's queue (an inline executor's host), the run's next
+    supervision is put off by the longest backoff instead, by the database's clock."""
+    from .errors import FanoutError
+    from .rq import get_queue
+
+    try:
+        return _stall_hold(get_queue(definition).connection, run.pk, True)
+    except (FanoutError, RedisError):
+        BatchRun.objects.filter(pk=run.pk).update(tended_until=db_now_plus(STALL_BACKOFF_MAX))
+        return 0.0
 
 
 def note_stall(run_id: int, reason: str) -> None:

@@ -110,3 +110,38 @@ FanOut(
     lease_seconds=2,
     crash_budget=0,
 )
+
+
+# Calls of ``flaky_then_broken``'s work list, per params["tag"].
+_list_calls: Counter[str] = Counter()
+
+
+def flaky_then_broken(params: dict[str, Any]) -> Iterator[int]:
+    """A work list whose first call meets a database that went away (the run is kept for the
+    next writer), whose second raises the definition's own error, and whose later calls (the
+    definition fixed) give 2 elements."""
+    from django.db import OperationalError
+
+    _list_calls[params["tag"]] += 1
+    if _list_calls[params["tag"]] == 1:
+        raise OperationalError("the database went away mid-work-list")
+    if _list_calls[params["tag"]] == 2:
+        raise ValueError("the work list is broken")
+    return iter(range(2))
+
+
+FanOut("stuck_flaky_then_broken", over=flaky_then_broken, key=stuck_key, do=noted, join=tally)
+
+
+def spawn_flaky_then_broken(item: Item) -> Any:
+    return item.spawn("stuck_flaky_then_broken", params={"tag": item.params["tag"]})
+
+
+# A run whose one item hands its work to a child run of ``stuck_flaky_then_broken``.
+FanOut(
+    "stuck_broken_child_spawner",
+    over=lambda p: range(1),
+    key=stuck_key,
+    do=spawn_flaky_then_broken,
+    join=tally,
+)
