@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import traceback
 from datetime import timedelta
@@ -29,6 +30,32 @@ def backoff(definition: FanOut, attempt: int) -> float:
     """Seconds before attempt ``attempt + 1``: exponential, capped, with full jitter above half."""
     base = min(conf.RETRY_BACKOFF_MAX, definition.retry_backoff * (2 ** (attempt - 1)))
     return base / 2 + random.uniform(0, base / 2)
+
+
+# "\u0000" in JSON text: an escape of its own, not an escaped backslash followed by "u0000".
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def unstorable(value: Any, text: str) -> str:
+    """Why the database cannot store ``value`` (dumped as ``text``) as JSON; "" if it can.
+
+    PostgreSQL's jsonb refuses NaN and Infinity, which JSON has no value for, and "\\u0000",
+    which its text cannot hold; the rule is the same on every database, so an outcome never
+    depends on where it is recorded.
+    """
+    if ("NaN" in text or "Infinity" in text) and not _dumps_strict(value):
+        return "a float NaN or Infinity (JSON has no such number)"
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        return "a string holding a NUL character (\\u0000)"
+    return ""
+
+
+def _dumps_strict(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _describe(exc: BaseException) -> str:
@@ -90,11 +117,20 @@ def execute(
         if isinstance(value, Spawn):
             return _spawned(outcome, run_id, claimed, value, began)
         try:
-            # Round-trip now so what is stored is exactly what the join will read back.
-            outcome.result = json.loads(json.dumps(value))
+            text = json.dumps(value)
         except (TypeError, ValueError) as exc:
             outcome.kind, outcome.error_class = FAILED, "ResultNotJSON"
             outcome.error = f"the handler returned a value that is not JSON-serializable: {exc}"
+        else:
+            # Refused here rather than by the database when it is recorded: a permanent
+            # database error there stops the drain, and the item runs again once its lease ends.
+            problem = unstorable(value, text)
+            if problem:
+                outcome.kind, outcome.error_class = FAILED, "ResultNotStorable"
+                outcome.error = f"the handler's result cannot be stored: it holds {problem}"
+            else:
+                # Read back now so what is stored is exactly what the join will read back.
+                outcome.result = json.loads(text)
     # Durations by this host's monotonic clock, placed on the database's: no wall clock here.
     outcome.elapsed = time.monotonic() - began
     started = claimed.started_at

@@ -10,6 +10,9 @@ Params understood by ``work`` (all optional):
   permanent_once  keys that raise PermanentError on their first execution only
   flaky           {key: k}: the key raises RuntimeError on attempts 1..k
   nonjson         keys whose handler returns a value that is not JSON
+  unstorable      {key: "nan" | "nul" | "nul_lookalike"}: the key returns {"v": NaN} or
+                  {"s": "a\\x00b"}, which PostgreSQL's jsonb refuses, or {"s": "a\\\\u0000b"}
+                  (a backslash, then "u0000"), which it stores
   block_first     a key whose first execution blocks until ``block_file`` exists (60 s at most)
   await_failed    {key: other}: the key waits until item ``other`` is failed (30 s at most)
   probe           record in an Observation whether the handler runs inside a transaction
@@ -95,6 +98,13 @@ def work(item: Item) -> Any:
             raise RuntimeError(f"{item.key} flaked on attempt {item.attempt}")
         if item.key in p.get("nonjson", ()):
             return {item.key, "a set is not JSON"}
+        unstorable = p.get("unstorable", {}).get(item.key)
+        if unstorable == "nan":
+            return {"v": float("nan")}
+        if unstorable == "nul":
+            return {"s": "a\x00b"}
+        if unstorable == "nul_lookalike":
+            return {"s": "a\\u0000b"}
         i = item.payload["i"]
         return {"i": i, "square": i * i}
 
