@@ -39,14 +39,16 @@ _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 def unstorable(value: Any, text: str) -> str:
     """Why the database cannot store ``value`` (dumped as ``text``) as JSON; "" if it can.
 
-    PostgreSQL's jsonb refuses NaN and Infinity, which JSON has no value for, and "\\u0000",
-    which its text cannot hold; the rule is the same on every database, so an outcome never
-    depends on where it is recorded.
+    PostgreSQL's jsonb refuses NaN and Infinity, which JSON has no value for, "\\u0000", which
+    its text cannot hold, and a surrogate escape that is not half of a pair; the rule is the
+    same on every database, so an outcome never depends on where it is recorded.
     """
     if ("NaN" in text or "Infinity" in text) and not _dumps_strict(value):
         return "a float NaN or Infinity (JSON has no such number)"
     if "\\u0000" in text and _NUL_ESCAPE.search(text):
         return "a string holding a NUL character (\\u0000)"
+    if "\\ud" in text and not _utf8(value):
+        return "a string holding a lone surrogate (\\ud800-\\udfff), which no UTF-8 text can"
     return ""
 
 
@@ -54,6 +56,14 @@ def _dumps_strict(value: Any) -> bool:
     try:
         json.dumps(value, allow_nan=False)
     except ValueError:
+        return False
+    return True
+
+
+def _utf8(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
         return False
     return True
 

@@ -12,13 +12,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.mark.parametrize(
     ("kind", "named"),
-    [("nan", "NaN"), ("nul", "NUL character (\\u0000)")],
+    [("nan", "NaN"), ("nul", "NUL character (\\u0000)"), ("surrogate", "lone surrogate")],
 )
 def test_a_result_the_database_cannot_store_fails_its_item_once_and_the_run_does_not_stall(
     kind: str, named: str
 ) -> None:
-    # PostgreSQL's jsonb refuses NaN and "\u0000" when the outcome is recorded: a permanent
-    # database error there stopped the drain and, once the lease ran out, ran the item again.
+    # PostgreSQL's jsonb refuses NaN, "\u0000" and a lone surrogate when the outcome is
+    # recorded: a permanent database error there stopped the drain and, once the lease ran out,
+    # ran the item again.
     # MariaDB/MySQL may hold what PostgreSQL refuses: the rule is the same on every database.
     run = start("t_collect", {"n": 4, "unstorable": {"k00001": kind}}, workers=1)
 

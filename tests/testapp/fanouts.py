@@ -10,9 +10,9 @@ Params understood by ``work`` (all optional):
   permanent_once  keys that raise PermanentError on their first execution only
   flaky           {key: k}: the key raises RuntimeError on attempts 1..k
   nonjson         keys whose handler returns a value that is not JSON
-  unstorable      {key: "nan" | "nul" | "nul_lookalike"}: the key returns {"v": NaN} or
-                  {"s": "a\\x00b"}, which PostgreSQL's jsonb refuses, or {"s": "a\\\\u0000b"}
-                  (a backslash, then "u0000"), which it stores
+  unstorable      {key: "nan" | "nul" | "surrogate" | "nul_lookalike"}: the key returns
+                  {"v": NaN}, {"s": "a\\x00b"} or {"s": "a\\ud800b"}, which PostgreSQL's jsonb
+                  refuses, or {"s": "a\\\\u0000b"} (a backslash, then "u0000"), which it stores
   block_first     a key whose first execution blocks until ``block_file`` exists (60 s at most)
   await_failed    {key: other}: the key waits until item ``other`` is failed (30 s at most)
   probe           record in an Observation whether the handler runs inside a transaction
@@ -103,6 +103,8 @@ def work(item: Item) -> Any:
             return {"v": float("nan")}
         if unstorable == "nul":
             return {"s": "a\x00b"}
+        if unstorable == "surrogate":
+            return {"s": "a\ud800b"}
         if unstorable == "nul_lookalike":
             return {"s": "a\\u0000b"}
         i = item.payload["i"]
