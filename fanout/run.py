@@ -68,9 +68,20 @@ def _utf8(value: Any) -> bool:
     return True
 
 
+def storable_text(text: str) -> str:
+    """``text`` with what no database text column holds escaped: NUL and lone surrogates."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
 def _describe(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc, limit=-6))
-    return text[-4000:]
+    return storable_text(text[-4000:])
 
 
 def _spawned(
@@ -109,7 +120,7 @@ def execute(
         value = definition.do(item)
     except Throttled as exc:
         outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
-        outcome.error_class, outcome.error = "Throttled", str(exc)
+        outcome.error_class, outcome.error = "Throttled", storable_text(str(exc))
     except PermanentError as exc:
         outcome.kind, outcome.error_class, outcome.error = (
             FAILED,

@@ -46,3 +46,19 @@ def test_a_backslash_before_u0000_in_a_result_is_text_that_is_stored() -> None:
     assert (row.status, row.result) == (ItemStatus.SUCCEEDED, {"s": "a\\u0000b"})
     run.refresh_from_db()
     assert (run.status, run.stalled) == (RunStatus.SUCCEEDED, "")
+
+
+def test_a_handler_error_holding_a_nul_or_a_lone_surrogate_fails_its_item_once_with_it_escaped(
+) -> None:
+    # PostgreSQL's text holds neither a NUL character nor a lone surrogate: an error message
+    # carrying one failed at record time, as an unstorable result did.
+    run = start("t_collect", {"n": 3, "unstorable_error": ["k00001"]}, workers=1)
+
+    rows = items(run.pk)
+    bad = rows["k00001"]
+    assert (bad.status, bad.error_class) == (ItemStatus.FAILED, "PermanentError")
+    assert "k00001 read a\\x00b and c\\udc80d" in bad.error
+    assert executions(run.pk) == dict.fromkeys(keys(3), 1)
+    assert {rows[k].status for k in ("k00000", "k00002")} == {ItemStatus.SUCCEEDED}
+    run.refresh_from_db()
+    assert (run.status, run.stalled, run.in_flight) == (RunStatus.FAILED, "", 0)
