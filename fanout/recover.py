@@ -44,21 +44,23 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     from .nest import CHILD_FAILED
 
     qs = (items if items is not None else ItemClaim.objects.all()).filter(run_id=run.pk)
-    # Items whose child run failed wait on it again, once its own failed items are reopened:
-    # the child's succeeded items never run again, at any depth.
-    children = list(
-        BatchRun.objects.filter(
-            parent_item__in=qs.filter(status=ItemStatus.FAILED, error_class=CHILD_FAILED)
-        ).exclude(status=RunStatus.SUCCEEDED)
-    )
-    for child in children:
-        retry_failed(child)
     with transaction.atomic():
         # Lock the run so a join cannot decide between our reopening and our items changing,
         # and decide under that lock: a cancel that committed since the caller looked stands.
+        # Its children are reopened only after that, under the same lock: a cancel of this run
+        # waits for it and then cancels them, rather than leaving them running under it.
         locked = lock_run(run.pk)
         run.status = locked["status"] if locked is not None else "deleted"
         check_retryable(run)
+        # Items whose child run failed wait on it again, once its own failed items are
+        # reopened: the child's succeeded items never run again, at any depth.
+        children = list(
+            BatchRun.objects.filter(
+                parent_item__in=qs.filter(status=ItemStatus.FAILED, error_class=CHILD_FAILED)
+            ).exclude(status=RunStatus.SUCCEEDED)
+        )
+        for child in children:
+            retry_failed(child)
         rewait = [c.parent_item_id for c in children if c.status == RunStatus.RUNNING]
         count = transitions.rewait(run.pk, rewait)
         count += transitions.reopen(qs.exclude(pk__in=rewait))

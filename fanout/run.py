@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import traceback
 from datetime import timedelta
@@ -31,9 +32,56 @@ def backoff(definition: FanOut, attempt: int) -> float:
     return base / 2 + random.uniform(0, base / 2)
 
 
+# "\u0000" in JSON text: an escape of its own, not an escaped backslash followed by "u0000".
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def unstorable(value: Any, text: str) -> str:
+    """Why the database cannot store ``value`` (dumped as ``text``) as JSON; "" if it can.
+
+    PostgreSQL's jsonb refuses NaN and Infinity, which JSON has no value for, "\\u0000", which
+    its text cannot hold, and a surrogate escape that is not half of a pair; the rule is the
+    same on every database, so an outcome never depends on where it is recorded.
+    """
+    if ("NaN" in text or "Infinity" in text) and not _dumps_strict(value):
+        return "a float NaN or Infinity (JSON has no such number)"
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        return "a string holding a NUL character (\\u0000)"
+    if "\\ud" in text and not _utf8(value):
+        return "a string holding a lone surrogate (\\ud800-\\udfff), which no UTF-8 text can"
+    return ""
+
+
+def _dumps_strict(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _utf8(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what no database text column holds escaped: NUL and lone surrogates."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
 def _describe(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc, limit=-6))
-    return text[-4000:]
+    return storable_text(text[-4000:])
 
 
 def _spawned(
@@ -72,7 +120,7 @@ def execute(
         value = definition.do(item)
     except Throttled as exc:
         outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
-        outcome.error_class, outcome.error = "Throttled", str(exc)
+        outcome.error_class, outcome.error = "Throttled", storable_text(str(exc))
     except PermanentError as exc:
         outcome.kind, outcome.error_class, outcome.error = (
             FAILED,
@@ -90,11 +138,20 @@ def execute(
         if isinstance(value, Spawn):
             return _spawned(outcome, run_id, claimed, value, began)
         try:
-            # Round-trip now so what is stored is exactly what the join will read back.
-            outcome.result = json.loads(json.dumps(value))
+            text = json.dumps(value)
         except (TypeError, ValueError) as exc:
             outcome.kind, outcome.error_class = FAILED, "ResultNotJSON"
             outcome.error = f"the handler returned a value that is not JSON-serializable: {exc}"
+        else:
+            # Refused here rather than by the database when it is recorded: a permanent
+            # database error there stops the drain, and the item runs again once its lease ends.
+            problem = unstorable(value, text)
+            if problem:
+                outcome.kind, outcome.error_class = FAILED, "ResultNotStorable"
+                outcome.error = f"the handler's result cannot be stored: it holds {problem}"
+            else:
+                # Read back now so what is stored is exactly what the join will read back.
+                outcome.result = json.loads(text)
     # Durations by this host's monotonic clock, placed on the database's: no wall clock here.
     outcome.elapsed = time.monotonic() - began
     started = claimed.started_at

@@ -8,10 +8,15 @@ import pytest
 from django.db import connection, connections, transaction
 
 from fanout.claim import claim, lock_run
+from fanout.definition import get_definition
 from fanout.errors import FanoutError
-from fanout.models import BatchRun, ItemStatus, RunStatus
+from fanout.join import maybe_join
+from fanout.materialize import create_run, materialize
+from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from fanout.nest import CHILD_FAILED, child_run_key
 from fanout.record import FAILED, ExecutionOutcome, record
 from fanout.recover import cancel_run, check_retryable, retry_failed
+from fanout.transitions import SPAWNED
 from tests.conftest import items, prepare
 from tests.procs import wait_until
 
@@ -29,6 +34,11 @@ def session_id() -> int:
             "SELECT CONNECTION_ID()" if connection.vendor == "mysql" else "SELECT pg_backend_pid()"
         )
         return cursor.fetchone()[0]
+
+
+# MariaDB refreshes information_schema.innodb_trx only when it was last read over 100 ms ago:
+# polled faster, a lock wait that began after the first read is never seen.
+LOCK_POLL = 0.2
 
 
 def waits_for_a_lock(session: int) -> bool:
@@ -106,3 +116,102 @@ def test_a_cancel_that_commits_while_retry_failed_waits_for_the_run_is_not_undon
     assert ItemStatus.PENDING not in set(s.status for s in items(run.pk).values())
     assert len(retried) == 1 and isinstance(retried[0], FanoutError), retried
     assert "cancelled" in str(retried[0])
+
+
+def running_parent_with_an_item_failed_by_its_child() -> tuple[BatchRun, BatchRun]:
+    """A running run whose first item spawned a child run that failed: the item failed too."""
+    parent = prepare("t_collect", {"n": 2})
+    taken = claim(parent.pk, "owner", 1, 30, 3, None)
+    assert taken.token is not None
+    item = taken.items[0]
+    definition = get_definition("t_collect")
+    child, _ = create_run(
+        definition, {"n": 1}, child_run_key(parent.pk, item.key), parent_item_id=item.pk
+    )
+    child = materialize(child, definition)
+    spawned = ExecutionOutcome(item.pk, item.key, SPAWNED, result={"child_run": child.pk})
+    record(parent.pk, taken.token, [spawned], "collect")
+    leaf = claim(child.pk, "owner", 1, 30, 3, None)
+    assert leaf.token is not None
+    broken = leaf.items[0]
+    failed = ExecutionOutcome(broken.pk, broken.key, FAILED, error="boom", error_class="Boom")
+    record(child.pk, leaf.token, [failed], "collect")
+    assert maybe_join(child.pk)  # the child fails and hands its failure to the parent item
+    parent.refresh_from_db()
+    child.refresh_from_db()
+    assert (parent.status, child.status) == (RunStatus.RUNNING, RunStatus.FAILED)
+    waited = ItemClaim.objects.get(pk=item.pk)
+    assert (waited.status, waited.error_class) == (ItemStatus.FAILED, CHILD_FAILED)
+    return parent, child
+
+
+def test_a_cancel_of_the_parent_while_retry_failed_reopens_its_child_leaves_no_child_running(
+) -> None:
+    parent, child = running_parent_with_an_item_failed_by_its_child()
+    held, release = threading.Event(), threading.Event()
+    retried: list[object] = []
+    cancelled: list[int] = []
+    sessions: dict[str, int] = {}
+
+    def hold_the_child() -> None:
+        # Holds the child's row: a retry that reopens the child waits here, after it read the
+        # parent's children and (unless it locked the parent first) before the parent's lock.
+        try:
+            with transaction.atomic():
+                lock_run(child.pk)
+                held.set()
+                release.wait(30)
+        finally:
+            connections["default"].close()
+
+    def retry() -> None:
+        try:
+            sessions["retry"] = session_id()
+            retried.append(retry_failed(BatchRun.objects.get(pk=parent.pk)))
+        except FanoutError as exc:
+            retried.append(exc)
+        finally:
+            connections["default"].close()
+
+    def cancel() -> None:
+        try:
+            sessions["cancel"] = session_id()
+            cancelled.append(cancel_run(BatchRun.objects.get(pk=parent.pk), "cancelled meanwhile"))
+        finally:
+            connections["default"].close()
+
+    holder = threading.Thread(target=hold_the_child)
+    retrier = threading.Thread(target=retry)
+    canceller = threading.Thread(target=cancel)
+    holder.start()
+    try:
+        assert held.wait(30)
+        retrier.start()
+        wait_until(lambda: "retry" in sessions, 30, "retry_failed to start")
+        wait_until(
+            lambda: waits_for_a_lock(sessions["retry"]), 30, "retry_failed to wait", LOCK_POLL
+        )
+        # The cancel either commits now (the retry has not locked the parent) or waits for the
+        # parent's row until the retry has decided.
+        canceller.start()
+        wait_until(lambda: "cancel" in sessions, 30, "the cancel to start")
+        wait_until(
+            lambda: bool(cancelled) or waits_for_a_lock(sessions["cancel"]),
+            30,
+            "the cancel to commit or to wait for the parent",
+            LOCK_POLL,
+        )
+    finally:
+        release.set()
+        holder.join(60)
+        for thread in (retrier, canceller):
+            if thread.ident is not None:
+                thread.join(60)
+
+    parent.refresh_from_db()
+    child.refresh_from_db()
+    assert len(retried) == 1 and len(cancelled) == 1, (retried, cancelled)
+    assert parent.status == RunStatus.CANCELLED
+    assert child.status in (RunStatus.FAILED, RunStatus.CANCELLED), retried
+    assert ItemStatus.PENDING not in {i.status for i in items(child.pk).values()}
+    assert (parent.in_flight, child.in_flight) == (0, 0)

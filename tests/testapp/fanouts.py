@@ -10,6 +10,10 @@ Params understood by ``work`` (all optional):
   permanent_once  keys that raise PermanentError on their first execution only
   flaky           {key: k}: the key raises RuntimeError on attempts 1..k
   nonjson         keys whose handler returns a value that is not JSON
+  unstorable      {key: "nan" | "nul" | "surrogate" | "nul_lookalike"}: the key returns
+                  {"v": NaN}, {"s": "a\\x00b"} or {"s": "a\\ud800b"}, which PostgreSQL's jsonb
+                  refuses, or {"s": "a\\\\u0000b"} (a backslash, then "u0000"), which it stores
+  unstorable_error keys that raise PermanentError with a NUL and a lone surrogate in its message
   block_first     a key whose first execution blocks until ``block_file`` exists (60 s at most)
   await_failed    {key: other}: the key waits until item ``other`` is failed (30 s at most)
   probe           record in an Observation whether the handler runs inside a transaction
@@ -89,12 +93,23 @@ def work(item: Item) -> Any:
             )
         if item.key in p.get("permanent", ()):
             raise PermanentError(f"{item.key} is broken for good")
+        if item.key in p.get("unstorable_error", ()):
+            raise PermanentError(f"{item.key} read a\x00b and c\udc80d")
         if item.key in p.get("permanent_once", ()) and first:
             raise PermanentError(f"{item.key} is broken this time")
         if item.attempt <= p.get("flaky", {}).get(item.key, 0):
             raise RuntimeError(f"{item.key} flaked on attempt {item.attempt}")
         if item.key in p.get("nonjson", ()):
             return {item.key, "a set is not JSON"}
+        unstorable = p.get("unstorable", {}).get(item.key)
+        if unstorable == "nan":
+            return {"v": float("nan")}
+        if unstorable == "nul":
+            return {"s": "a\x00b"}
+        if unstorable == "surrogate":
+            return {"s": "a\ud800b"}
+        if unstorable == "nul_lookalike":
+            return {"s": "a\\u0000b"}
         i = item.payload["i"]
         return {"i": i, "square": i * i}
 
