@@ -207,6 +207,8 @@ def describe() -> str:
 
 
 class Transitions(RuleBasedStateMachine):
+    """Two or three runs over two shared pools, their workers, operators and supervisors."""
+
     def __init__(self) -> None:
         super().__init__()
         forget_process_state()
@@ -229,7 +231,7 @@ class Transitions(RuleBasedStateMachine):
     @initialize(
         limit_a=st.integers(1, 3),
         limit_b=st.integers(1, 3),
-        rate_b=st.integers(1, 3),
+        rate_b=st.integers(1, 2),
         first=st.tuples(st.sampled_from(PARENTS), st.text("ab", min_size=1, max_size=8)),
         second=st.tuples(st.sampled_from(PARENTS), st.text("ab", min_size=1, max_size=8)),
         parallel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
@@ -275,15 +277,6 @@ class Transitions(RuleBasedStateMachine):
     @precondition(lambda self: self.parents < 3)
     @rule(
         name=st.sampled_from(PARENTS),
-        pools=st.text("ab", min_size=1, max_size=8),
-        most=st.integers(1, 3),
-    )
-    def start_a_run(self, name: str, pools: str, most: int) -> None:
-        self._start(name, pools, most)
-
-    @precondition(lambda self: self.parents < 3)
-    @rule(
-        name=st.sampled_from(PARENTS),
         pools=st.text("ab", min_size=2, max_size=8),
         written=st.integers(1, 7),
         most=st.integers(1, 3),
@@ -299,8 +292,9 @@ class Transitions(RuleBasedStateMachine):
     def _definition(self, run_id: int) -> FanOut:
         return get_definition(BatchRun.objects.get(pk=run_id).definition)
 
-    @rule(pick=st.integers(0, 8), limit=st.integers(1, 3))
-    def a_worker_claims(self, pick: int, limit: int) -> None:
+    @rule(pick=st.integers(0, 8), limit=st.integers(1, 3), dies=st.booleans())
+    def a_worker_claims(self, pick: int, limit: int, dies: bool) -> None:
+        """A worker of its own process claims; it may die before running what it took."""
         run = self._run(pick)
         definition = get_definition(run.definition)
         forget_process_state()
@@ -313,6 +307,9 @@ class Transitions(RuleBasedStateMachine):
             definition.crash_budget,
             definition.static_pool,
         )
+        if dies and result.token is not None:
+            force_expired(result.token)
+            return
         self._claimed(run.pk, owner, result)
 
     def _claimed(self, run_id: int, owner: str, result: Any) -> None:
@@ -420,40 +417,39 @@ class Transitions(RuleBasedStateMachine):
 
     # --- operators, supervisors, time -----------------------------------------------------
 
-    @rule(pick=st.integers(0, 8), undo_it=st.booleans())
-    def an_operator_cancels(self, pick: int, undo_it: bool) -> None:
-        run = self._run(pick)
-        undo_it = undo_it and get_definition(run.definition).compensate is not None
-        try:
-            cancel_run(run, compensate=undo_it)
-        except FanoutError:
-            pass  # not cancellable now (it ended, or cannot compensate): refused, nothing changed
-
-    @rule(pick=st.integers(0, 8))
-    def an_operator_retries_failed_items(self, pick: int) -> None:
+    @rule(pick=st.integers(0, 8), action=st.sampled_from(("cancel", "compensate", "retry")))
+    def an_operator_acts_on_a_run(self, pick: int, action: str) -> None:
+        """Cancel it, cancel it to compensate, or retry its failed items (if it may be)."""
         run = self._run(pick)
         try:
-            check_retryable(run)
+            if action == "retry":
+                check_retryable(run)
+                retry_failed(run)
+            else:
+                undo_it = action == "compensate"
+                cancel_run(run, compensate=undo_it and run.definition == "model_saga")
         except FanoutError:
-            return
-        retry_failed(run)
+            pass  # refused (it ended, or may not be reopened): nothing changed
 
-    @rule(pool=st.sampled_from(POOLS), limit=st.integers(1, 3))
-    def an_operator_sets_a_pool_limit(self, pool: str, limit: int) -> None:
-        CapacityPool.objects.filter(name=pool).update(max_concurrency=limit)
-
-    @rule(pool=st.sampled_from(POOLS), paused=st.booleans())
-    def an_operator_pauses_or_resumes_a_pool(self, pool: str, paused: bool) -> None:
-        CapacityPool.objects.filter(name=pool).update(paused=paused)
+    @rule(
+        pool=st.sampled_from(POOLS),
+        action=st.sampled_from(("limit", "pause", "resume")),
+        limit=st.integers(1, 3),
+    )
+    def an_operator_changes_a_pool(self, pool: str, action: str, limit: int) -> None:
+        """Lower or raise its limit, pause it or resume it, as the admin does."""
+        pools = CapacityPool.objects.filter(name=pool)
+        if action == "limit":
+            pools.update(max_concurrency=limit)
+        else:
+            pools.update(paused=action == "pause")
 
     @rule()
-    def a_rate_period_passes(self) -> None:
+    def an_hour_passes(self) -> None:
+        """Rate buckets refill for a period, and a supervisor sweeps every open run."""
         CapacityPool.objects.filter(tokens_at__isnull=False).update(
             tokens_at=F("tokens_at") - timedelta(seconds=3600)
         )
-
-    @rule()
-    def a_supervisor_sweeps(self) -> None:
         sweep()
 
     # --- invariants ---------------------------------------------------------------------
@@ -646,13 +642,20 @@ class Rows:
 
 
 def profile() -> hypothesis_settings:
-    return hypothesis_settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    """HYPOTHESIS_PROFILE's settings; ``ci`` on MariaDB/MySQL is the shorter ``ci-mysql``."""
+    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    if name == "ci" and connection.vendor == "mysql":
+        name = "ci-mysql"
+    return hypothesis_settings.get_profile(name)
 
 
 _slow = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+# CI: deterministic. On the main of issue 20, 300 examples of up to 30 steps found findings 1,
+# 3 and 4 (after 254, 61 and 11 examples); MariaDB runs the same rules on fewer examples, to
+# prove its SQL paths (the hand-over procedure, its locks) rather than to search.
 hypothesis_settings.register_profile(
     "ci",
-    max_examples=60,
+    max_examples=300,
     stateful_step_count=30,
     derandomize=True,
     database=None,
@@ -660,6 +663,10 @@ hypothesis_settings.register_profile(
     suppress_health_check=_slow,
     print_blob=True,
 )
+hypothesis_settings.register_profile(
+    "ci-mysql", hypothesis_settings.get_profile("ci"), max_examples=60
+)
+# Local: random and far longer (HYPOTHESIS_PROFILE=long).
 hypothesis_settings.register_profile(
     "long",
     max_examples=2000,
