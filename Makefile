@@ -16,12 +16,14 @@ TEST_MYSQL_URL    ?= mysql://root@127.0.0.1:3306/test
 PYTEST_ARGS ?=
 
 # What must hold on MariaDB as on PostgreSQL: racing parents and workers run every item once,
-# a SIGKILLed owner's item is reclaimed, limits stay exact across processes.
+# a SIGKILLed owner's item is reclaimed, limits stay exact across processes, and the model of
+# transitions (tests/test_model.py) holds every invariant there too.
 RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
 	tests/test_slots.py tests/test_clock_skew.py tests/test_host_limit.py \
 	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py \
 	tests/test_mariadb_clock.py tests/test_mariadb_collation.py tests/test_permanent_errors.py \
-	tests/test_retry_race.py tests/test_host_lock.py
+	tests/test_retry_race.py tests/test_host_lock.py tests/test_model.py tests/test_model_findings.py \
+	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py
 
 .PHONY: venv demo test test-mariadb matrix lint clean
 
