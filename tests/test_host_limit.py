@@ -66,8 +66,8 @@ def test_compensations_keep_to_host_max_parallel_on_each_host_counted_apart_from
     # of 8, but at most one at a time on each host.
     params = {"n": 16, "sleep": 0.05, "failing": ["s00015"], "refund_sleep": 0.2}
     run = prepare_run(get_definition("comp_per_host"), params, uuid.uuid4().hex)
-    # run_fanout exits 1: the run failed, and was compensated.
-    hosts = run_on_two_hosts(run.pk, database_url, tmp_path, children, exit_code=1)
+    # run_fanout exits 4: the run failed, and was compensated.
+    hosts = run_on_two_hosts(run.pk, database_url, tmp_path, children, exit_code=4)
 
     run.refresh_from_db()
     assert run.status == RunStatus.COMPENSATED, run.error
