@@ -28,7 +28,11 @@ BUDGET = {"reverse": 1, "parallel": 2}  # compensate_max_parallel of chaos_comp_
 
 
 def compensation(h: Harness, result: Result) -> None:
+    from fanout.conf import conf
+    from fanout.definition import get_definition
     from fanout.models import BatchRun, ItemClaim
+
+    from .deploy import RESTART_SLACK
 
     assert h.workers is not None
     n = h.scale(40, 16)
@@ -71,7 +75,9 @@ def compensation(h: Harness, result: Result) -> None:
                 if mode == "reverse":
                     after_single = len(done)
         done, busy = now["reverse"]
-        if single["reverse"] and len(done) > after_single and busy:
+        # Every worker goes once each run lost one compensation's worker (its threads serve
+        # both runs, so the parallel run's first kill may come after the reverse run's).
+        if all(single.values()) and len(done) > after_single and busy:
             for mode, rid in ids.items():
                 recorded.append((time.time(), rid, now[mode][0]))
             h.workers.redeploy()
@@ -88,9 +94,12 @@ def compensation(h: Harness, result: Result) -> None:
     result.check(finished, "the runs did not finish compensating after the kills")
     h.wait_handlers(list(ids.values()))
 
-    # Forward items: no kill lands on them (compensation waits for every one to finish).
+    # A run compensates once its forward items are all finished, but a worker's threads serve
+    # every run: one killed for a compensation may also be running the other run's forward
+    # items, which are then reclaimed like any dead worker's, within their lease.
     fig = h.ledger(list(ids.values()))
-    h.judge(result, fig)
+    lease = get_definition("chaos_comp_parallel").lease_seconds
+    h.judge(result, fig, lease=lease + float(conf.SUPERVISE_SECONDS) + RESTART_SLACK)
     deaths = h.all_deaths()
     figures: dict[str, list[str]] = defaultdict(list)
     for mode, run_id in ids.items():

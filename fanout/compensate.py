@@ -19,6 +19,7 @@ import logging
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -399,8 +400,20 @@ def retry_failed_compensations(run: BatchRun) -> int:
     return count
 
 
-def drain(definition: FanOut, run_id: int, owner: str, stop: Any, deadline: float | None) -> str:
-    """A worker's loop while its run compensates: claim, run, record, until none is left."""
+def drain(
+    definition: FanOut,
+    run_id: int,
+    owner: str,
+    stop: Any,
+    deadline: float | None,
+    ran: Callable[[int], None] = lambda n: None,
+    leave_when_idle: bool = False,
+) -> str:
+    """A worker's loop while its run compensates: claim, run, record, until none is left.
+
+    ``ran`` hears of each compensation run. With ``leave_when_idle`` (a thread that serves
+    every run of its queue) it leaves as soon as nothing is claimable, instead of waiting in a
+    run that undoes one item at a time while other runs have work."""
     from .conf import conf
 
     run = BatchRun.objects.get(pk=run_id)
@@ -411,8 +424,11 @@ def drain(definition: FanOut, run_id: int, owner: str, stop: Any, deadline: floa
         if not taken.items:
             if finish(run_id):
                 return "run compensated"
+            if leave_when_idle:
+                return "nothing to compensate now"
             stop.wait(conf.IDLE_MAX_SECONDS)
             continue
+        ran(len(taken.items))
         assert taken.token is not None
         token = taken.token
 

@@ -174,6 +174,9 @@ class Drain:
         finally:
             connection.close()
 
+    def _count(self, n: int) -> None:
+        self.executed += n
+
     def serve(self) -> str:
         """Drain as ``__call__`` does, keeping this thread's connection for what it does next.
 
@@ -241,7 +244,13 @@ class Drain:
                 from . import compensate
 
                 return compensate.drain(
-                    self.definition, self.run_id, self.owner, self.stop, self.deadline
+                    self.definition,
+                    self.run_id,
+                    self.owner,
+                    self.stop,
+                    self.deadline,
+                    ran=self._count,
+                    leave_when_idle=self.roam,
                 )
             if result.run_status == RunStatus.JOINING:
                 if self.roam:
