@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from io import StringIO
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
+from fanout import compensate
 from fanout.compensate import retry_failed_compensations
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run, resume
@@ -191,3 +194,32 @@ def test_a_run_cancelled_while_it_is_being_joined_stays_cancelled(name: str, fai
     run.refresh_from_db()
     assert (run.status, run.error) == (RunStatus.CANCELLED, "stopped while joining")
     assert not ItemClaim.objects.filter(run=run, status=ItemStatus.COMPENSATING).exists()
+
+
+def test_a_thread_serving_every_run_leaves_a_compensating_run_with_nothing_to_claim() -> None:
+    definition = get_definition("comp_reverse")
+    run = prepare_run(definition, {"n": 3}, uuid.uuid4().hex)
+    ItemClaim.objects.filter(run=run).update(status=ItemStatus.SUCCEEDED)
+    assert compensate.begin(run.pk, "failed on purpose")
+    held = compensate.claim(run.pk, definition, "another-worker")
+    assert len(held.items) == 1  # reverse order: one at a time, and this one is under way
+    ran: list[int] = []
+
+    # A roaming thread goes to runs with work instead of waiting here for its turn to end...
+    left = compensate.drain(
+        definition,
+        run.pk,
+        "roamer",
+        threading.Event(),
+        time.monotonic() + 60,
+        ran=ran.append,
+        leave_when_idle=True,
+    )
+    # ...while a run's own drain waits in it (here until its short deadline).
+    stayed = compensate.drain(
+        definition, run.pk, "own-drain", threading.Event(), time.monotonic() + 0.5
+    )
+
+    assert left == "nothing to compensate now" and ran == []
+    assert stayed == "stopped"
+    assert ItemClaim.objects.filter(run=run, owner="another-worker").exists()
