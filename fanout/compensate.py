@@ -370,7 +370,7 @@ def finish(run_id: int) -> str | None:
     failed = items.filter(status=ItemStatus.COMPENSATION_FAILED).exists()
     status = RunStatus.COMPENSATION_FAILED if failed else RunStatus.COMPENSATED
     ended = BatchRun.objects.filter(pk=run_id, status=RunStatus.COMPENSATING).update(
-        status=status, finished_at=DbNow(), compensating=0
+        status=status, finished_at=DbNow(), compensating=0, stalled=""
     )
     if not ended:
         return None

@@ -107,6 +107,7 @@ def conclude(run_id: int, token: uuid.UUID, definition: FanOut | None = None) ->
         finished_at=DbNow(),
         join_token=None,
         join_lease_expires_at=None,
+        stalled="",  # a stale drain failure noted after a worker ran it says nothing now
     )
     if not ended:
         logger.info("run %s ended while it was being joined: the join is not recorded", run_id)

@@ -106,7 +106,7 @@ def cancel_run(
     with transaction.atomic():
         updated = BatchRun.objects.filter(
             pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
-        ).update(status=RunStatus.CANCELLED, finished_at=DbNow(), error=reason)
+        ).update(status=RunStatus.CANCELLED, finished_at=DbNow(), error=reason, stalled="")
         count = cancel_pending(run.pk, reason) if updated else 0
     if updated:
         from .nest import cancel_children, settle_up

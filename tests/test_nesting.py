@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -39,11 +40,20 @@ def wait_tree(root: BatchRun, timeout: float = 60) -> list[BatchRun]:
         return runs if all(r.is_terminal for r in runs) else None
 
     try:
-        return wait_until(ended, timeout, "the whole tree to end")
+        runs = wait_until(ended, timeout, "the whole tree to end")
     except AssertionError as exc:
         from tests.rq.support import describe_runs
 
         raise AssertionError(f"{exc}\n{describe_runs()}") from None
+    # A child run's inline threads look once more at their run as they leave (a reopened run
+    # keeps them): a test that changes the runs next must not race them.
+    names = tuple(f"fanout-{r.pk}-" for r in runs)
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith(names)],
+        timeout,
+        "the tree's inline threads to leave",
+    )
+    return runs
 
 
 def leaf_calls(runs: list[BatchRun]) -> Counter[tuple[int, str]]:
