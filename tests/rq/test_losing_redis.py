@@ -56,10 +56,14 @@ def test_a_flush_of_redis_mid_run_is_healed_by_the_waiting_parent_and_every_item
     redis.flushdb()  # FLUSHALL, as far as this session's Redis database goes
     assert drain_jobs(redis, run.pk) == set()
 
-    # The run's drain slots are taken again: by its live drains, whose heartbeats re-take
-    # them, or by new jobs that the waiting parent (or a worker's supervisor) enqueues.
+    # The run's drain slots are taken again: by its live drain, whose heartbeat re-takes its
+    # key, or by new jobs that the waiting parent (or a worker's supervisor) enqueues. A job
+    # whose threads find no admissible item (the run is at max_parallel) leaves after a
+    # moment, so not every slot need be taken at once.
     slots = default_slots(run, get_definition("rq_items"))
-    wait_until(lambda: len(slot_keys(redis, run.pk)) == slots, 20, "the slots to be taken again")
+    wait_until(
+        lambda: 1 <= len(slot_keys(redis, run.pk)) <= slots, 20, "the slots to be taken again"
+    )
     go.touch()
     code, log = parent.finish(timeout=90)
 
