@@ -18,16 +18,18 @@ from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Va
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from .backends import backend, mysql, postgresql
+
 
 class DbNow(Now):
     """The database server's current time, read when the statement gets to it."""
 
     def as_postgresql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
-        return "clock_timestamp()", []
+        return postgresql.NOW, []
 
     def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
         # Django's Now() is CURRENT_TIMESTAMP(6) there: the session's zone, not the columns'.
-        return "UTC_TIMESTAMP(6)", []
+        return mysql.NOW, []
 
 
 def db_now_plus(seconds: float) -> ExpressionWrapper:
@@ -38,15 +40,9 @@ def db_now_plus(seconds: float) -> ExpressionWrapper:
     )
 
 
-_SELECT_NOW = {
-    "postgresql": "SELECT clock_timestamp()",
-    "mysql": "SELECT UTC_TIMESTAMP(6)",
-}
-
-
 def db_now() -> datetime:
     """The database server's time now, as an aware datetime (SQLite: this host's, its server)."""
-    sql = _SELECT_NOW.get(connection.vendor)
+    sql = backend().select_now
     if sql is None:
         return timezone.now()
     with connection.cursor() as cursor:

@@ -1,0 +1,86 @@
+"""The portable backend: what every database Django supports can do, and no fast path."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from django.db import connection
+from django.db.models import Model, QuerySet
+
+
+class HandOverRow(NamedTuple):
+    """What the hand-over routine answers: whether the outcome was written, and the next item
+    that took over the slot (all None when none did)."""
+
+    done: bool
+    pk: int | None
+    key: str | None
+    index: int | None
+    payload: Any
+    pool: str | None
+    attempt: int | None
+    started_at: datetime | None
+
+
+class Backend:
+    """Portable defaults. Subclasses override what their database does better or differently."""
+
+    vendor = "portable"
+    # The statement that reads the database server's clock; None: this host's clock is the
+    # server's (SQLite runs in this process).
+    select_now: str | None = None
+
+    @property
+    def has_row_locks(self) -> bool:
+        return bool(connection.features.has_select_for_update)
+
+    def take_write_lock(self, rows: QuerySet[Any]) -> None:
+        """Make this transaction a writer before it reads (SQLite); a no-op with row locks."""
+
+    @contextlib.contextmanager
+    def session_lock(self, name: str, wait_seconds: float) -> Iterator[bool]:
+        """Hold a named lock of this session around the block; yields whether it was taken
+        (SQLite serialises every writer already, so there is nothing to take)."""
+        yield True
+
+    @contextlib.contextmanager
+    def ordered_picks(self) -> Iterator[None]:
+        """Plan the claim's picks so that they walk the claim index in work-list order."""
+        yield
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether a finished item can hand its slot on in one statement here."""
+        return False
+
+    def hand_over(self, params: Sequence[Any]) -> HandOverRow:
+        raise NotImplementedError("no one-statement hand-over on this database")
+
+    def update_rows(
+        self,
+        model: type[Model],
+        rows: list[Model],
+        fields: list[str],
+        constants: dict[str, Any] | None = None,
+    ) -> None:
+        """Per-row values of ``fields`` (and the same ``constants`` for every row) for locked
+        rows, in as few statements as it can: here Django's CASE WHEN per row and field."""
+        manager = model._default_manager
+        if constants:
+            manager.filter(pk__in=[r.pk for r in rows]).update(**constants)
+        manager.bulk_update(rows, fields)
+
+    @property
+    def copies(self) -> bool:
+        """Whether new items are streamed with COPY (else bulk_create)."""
+        return False
+
+    def copy_rows(self, table: str, columns: list[str], rows: Any) -> None:
+        raise NotImplementedError("no COPY on this database")
+
+    def estimated_rows(self, table: str) -> int | None:
+        """The planner's estimate of a table's rows, where it is cheap; None elsewhere."""
+        return None

@@ -1,0 +1,66 @@
+"""MariaDB/MySQL: the hand-over procedure, GET_LOCK, and the clock read as UTC."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import connection
+from django.utils import timezone
+
+from .base import Backend, HandOverRow
+
+# UTC_TIMESTAMP(6), not NOW(6): NOW() is in the session's time zone, which Django's MySQL
+# backend leaves as the server's, while DATETIME columns hold UTC.
+NOW = "UTC_TIMESTAMP(6)"
+# A stored procedure (migrations 0005, 0008): one CALL, one round trip, one commit.
+HAND_OVER = "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+
+
+class HostLockBusy(Exception):
+    """GET_LOCK did not answer 1: the wait ran out (0) or it failed (NULL)."""
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """A DATETIME read back: naive, and UTC, as every DATETIME column here holds."""
+    if value is not None and timezone.is_naive(value):
+        return timezone.make_aware(value, UTC)
+    return value
+
+
+class MySQL(Backend):
+    vendor = "mysql"
+    select_now = f"SELECT {NOW}"
+
+    @contextlib.contextmanager
+    def session_lock(self, name: str, wait_seconds: float) -> Iterator[bool]:
+        name = name[:64]  # GET_LOCK's names are at most 64 characters
+        with connection.cursor() as cursor:
+            # 1: taken; 0: the wait ran out; NULL: an error. Without it the limit is not exact.
+            cursor.execute("SELECT GET_LOCK(%s, %s)", [name, wait_seconds])
+            taken = cursor.fetchone()[0] == 1
+        try:
+            yield taken
+        finally:
+            if taken:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT RELEASE_LOCK(%s)", [name])
+
+    @property
+    def hands_over(self) -> bool:
+        return True
+
+    def hand_over(self, params: Sequence[Any]) -> HandOverRow:
+        # MySQL's UUIDField is CHAR(32): tokens go as hex.
+        args = [p.hex if isinstance(p, uuid.UUID) else p for p in params]
+        with connection.cursor() as cursor:
+            cursor.execute(HAND_OVER, args)
+            done, pk, key, index, payload, pool, attempt, started_at = cursor.fetchone()
+            # A CALL answers with its status too: read every result, or the connection refuses
+            # the next statement.
+            while cursor.nextset():
+                pass
+        return HandOverRow(bool(done), pk, key, index, payload, pool, attempt, aware(started_at))

@@ -1,0 +1,114 @@
+"""PostgreSQL: the hand-over function, advisory locks, COPY, UPDATE ... FROM (VALUES ...)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+from django.db import connection
+from django.db.models import Field, Model
+
+from .base import Backend, HandOverRow
+
+# clock_timestamp(), not now(): now() is frozen at the start of the transaction, and stale
+# after a lock wait.
+NOW = "clock_timestamp()"
+# A PL/pgSQL function (migrations 0003, 0006), so that PostgreSQL plans it once per session:
+# planning the statement cost more than running it.
+HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
+_VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
+
+
+class PostgreSQL(Backend):
+    vendor = "postgresql"
+    select_now = f"SELECT {NOW}"
+
+    @contextlib.contextmanager
+    def session_lock(self, name: str, wait_seconds: float) -> Iterator[bool]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [name])
+        try:
+            yield True
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", [name])
+
+    @contextlib.contextmanager
+    def ordered_picks(self) -> Iterator[None]:
+        # Without sorts the planner walks fanout_item_claim_idx in work-list order even when
+        # statistics have not seen the run yet (they then make reading and sorting every
+        # pending row of the run look as cheap). Only the picks: the rest of the transaction
+        # is planned as usual.
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_sort = off")
+        try:
+            yield
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL enable_sort = on")
+
+    @property
+    def hands_over(self) -> bool:
+        return True
+
+    def hand_over(self, params: Sequence[Any]) -> HandOverRow:
+        with connection.cursor() as cursor:
+            cursor.execute(HAND_OVER, list(params))
+            done, *rest = cursor.fetchone()
+        return HandOverRow(bool(done), *rest)
+
+    def update_rows(
+        self,
+        model: type[Model],
+        rows: list[Model],
+        fields: list[str],
+        constants: dict[str, Any] | None = None,
+    ) -> None:
+        """One UPDATE ... FROM (VALUES ...): per-row values without Django's CASE WHEN per
+        field, which at 200 outcomes a batch cost about 1 ms of CPU per item."""
+        meta = model._meta
+        pk = cast(Field, meta.pk)
+        columns = [pk, *(cast(Field, meta.get_field(name)) for name in fields)]
+        qn = connection.ops.quote_name
+        row_sql = "(" + ", ".join(f"%s::{f.db_type(connection)}" for f in columns) + ")"
+        table = qn(meta.db_table)
+        sets = [f"{qn(f.column)} = v.{qn(f.column)}" for f in columns[1:]]
+        fixed = []
+        for name, value in (constants or {}).items():
+            field = cast(Field, meta.get_field(name))
+            sets.append(f"{qn(field.column)} = %s")
+            fixed.append(field.get_db_prep_save(value, connection))
+        names = ", ".join(qn(f.column) for f in columns)
+        with connection.cursor() as cursor:
+            for start in range(0, len(rows), _VALUES_PER_STATEMENT):
+                part = rows[start : start + _VALUES_PER_STATEMENT]
+                values = [
+                    f.get_db_prep_save(getattr(row, f.attname), connection)
+                    for row in part
+                    for f in columns
+                ]
+                cursor.execute(
+                    f"UPDATE {table} SET {', '.join(sets)} "
+                    f"FROM (VALUES {', '.join([row_sql] * len(part))}) "
+                    f"AS v({names}) WHERE {table}.{qn(pk.column)} = v.{qn(pk.column)}",
+                    [*fixed, *values],
+                )
+
+    @property
+    def copies(self) -> bool:
+        return True
+
+    def copy_rows(self, table: str, columns: list[str], rows: Any) -> None:
+        qn = connection.ops.quote_name
+        names = ", ".join(qn(c) for c in columns)
+        with connection.cursor() as cursor, connection.wrap_database_errors:
+            with cursor.copy(f"COPY {qn(table)} ({names}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+
+    def estimated_rows(self, table: str) -> int | None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass", [table])
+            row = cursor.fetchone()
+        return int(row[0]) if row else None
