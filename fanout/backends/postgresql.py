@@ -109,6 +109,8 @@ class PostgreSQL(Backend):
 
     def estimated_rows(self, table: str) -> int | None:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass", [table])
+            cursor.execute(
+                "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass", [table]
+            )
             row = cursor.fetchone()
         return int(row[0]) if row else None
