@@ -21,6 +21,7 @@ from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.models import BatchRun, CapacityPool, ItemClaim
 from fanout.transitions import SUCCEEDED, ExecutionOutcome, hand_over
+from tests import procs
 from tests.conftest import items, prepare
 from tests.procs import wait_until
 from tests.testapp.fanouts_pools import RATE_POOL
@@ -142,3 +143,58 @@ def test_a_rate_limits_tokens_refill_at_its_rate_whichever_zone_reads_the_bucket
     assert refilled_at >= spent_at + timedelta(seconds=5)
     # Slack for a loaded machine: the poll and the claims themselves take time.
     assert refilled_at <= spent_at + timedelta(seconds=5 + 10)
+
+
+WEST = "-05:00"  # a server five hours behind UTC: a clock read in its zone lies in the past
+
+
+@pytest.fixture
+def server_zone() -> Iterator[Callable[[str], None]]:
+    """Put the server's default time zone (what every new session starts on) on a zone; its own
+    again at the end. This test's session reconnects to take it up."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@global.time_zone")
+        was = cursor.fetchone()[0]
+
+    def set_zone(name: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SET GLOBAL time_zone = %s", [name])
+        connection.close()
+
+    yield set_zone
+    set_zone(was)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_on_a_server_whose_time_zone_is_not_utc_runs_to_the_end_through_its_rate_limit(
+    server_zone: Callable[[str], None], database_url: str
+) -> None:
+    # Items are written with the host's UTC time; a claim that read the server's clock in its
+    # own zone would find none of them due for five hours, and a bucket five hours stale.
+    CapacityPool.objects.create(name=RATE_POOL, max_concurrency=4, rate_count=20, rate_period=1.0)
+    server_zone(WEST)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@session.time_zone")
+        assert cursor.fetchone()[0] == WEST
+    started = utc_now()
+
+    done = procs.manage(
+        ["run_fanout", "pools_rate", "--param", "n=30", "--workers", "4", "--json"],
+        procs.child_env(database_url),
+        timeout=120,
+    )
+
+    assert done.returncode == 0, done.stderr
+    run = BatchRun.objects.get(definition="pools_rate")
+    rows = list(ItemClaim.objects.filter(run=run))
+    assert run.status == "succeeded" and len(rows) == 30
+    finished = utc_now()
+    for row in rows:
+        assert started <= row.started_at <= row.finished_at <= finished, row.key
+    # Its tokens were spent at UTC times, and 30 admissions at 20/s with a burst of 20 took
+    # at least half a second by the server's clock.
+    pool = CapacityPool.objects.get(name=RATE_POOL)
+    assert pool.tokens_at is not None and started <= pool.tokens_at <= finished
+    assert max(r.started_at for r in rows) - min(r.started_at for r in rows) >= timedelta(
+        seconds=0.45
+    )
