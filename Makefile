@@ -1,5 +1,6 @@
 # fanout: development tasks. `make demo` runs the example project, `make test` the test suite,
-# `make test-mariadb` the process-racing tests on MariaDB, `make matrix` every supported Django.
+# `make test-mariadb` the process-racing tests on MariaDB, `make matrix` every supported Django,
+# `make docs` the documentation site.
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -26,7 +27,7 @@ RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq
 	tests/test_counters.py tests/pools/test_rate_overspend.py tests/test_hand_over.py \
 	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py
 
-.PHONY: venv demo test test-mariadb matrix lint clean
+.PHONY: venv demo test test-mariadb matrix docs lint clean
 
 venv: $(STAMP)
 
@@ -84,10 +85,17 @@ test-mariadb: venv
 matrix: venv
 	$(VENV)/bin/nox -s tests
 
+# The documentation site from docs/*.md (and the README, its front page); a warning (a broken
+# link or anchor, a missing image, a page outside the table of contents) fails the build.
+DOCS_OUT ?= docs/_build/html
+docs: venv
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs $(DOCS_OUT)
+	@echo "the docs are in $(DOCS_OUT)/index.html"
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) db.sqlite3 db.sqlite3-wal db.sqlite3-shm build dist *.egg-info
+	rm -rf $(VENV) db.sqlite3 db.sqlite3-wal db.sqlite3-shm build dist *.egg-info docs/_build
 	find . -name __pycache__ -type d -not -path './.git/*' -prune -exec rm -rf {} +
 	rm -rf .pytest_cache .ruff_cache .mypy_cache .nox

@@ -1,7 +1,8 @@
-"""Live progress of a run on a terminal: counts per status, rate, ETA and why items wait.
+"""Live progress of a run on a terminal: rate, ETA, what holds the run up, counts per status.
 
-Rendering is rich's: on a TTY one line fitted to the terminal's width and redrawn in place;
-elsewhere (a log, a pipe) the same line as plain text, once per interval.
+Rendering is rich's: on a TTY a line fitted to the terminal's width and redrawn in place, whose
+reason wraps onto the lines below rather than being cut; elsewhere (a log, a pipe) the same
+line as plain text, once per interval.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 from typing import IO, cast
 
 from django.core.management.base import OutputWrapper
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.progress import (
     BarColumn,
@@ -20,10 +21,12 @@ from rich.progress import (
 )
 from rich.progress import Progress as Bar
 from rich.table import Column
+from rich.text import Text
 
 from .models import ItemStatus
 from .report import Snapshot
 
+_UNCUT = 100_000  # columns: wider than any line
 _ORDER = (
     ItemStatus.SUCCEEDED,
     ItemStatus.FAILED,
@@ -48,7 +51,7 @@ class _Stream:
 
 
 class Progress:
-    """Redraws one line in place on a TTY; elsewhere prints a plain line every ``every`` s."""
+    """Redraws its line in place on a TTY; elsewhere prints a plain line every ``every`` s."""
 
     def __init__(
         self, out: OutputWrapper, isatty: bool, every: float = 2.0, width: int | None = None
@@ -57,14 +60,13 @@ class Progress:
             file=cast(IO[str], _Stream(out)),
             force_terminal=isatty,
             force_interactive=isatty,
-            width=width or (None if isatty else 100_000),  # a log's lines are never cut
+            width=width or (None if isatty else _UNCUT),  # a log's lines are never cut
             highlight=False,
         )
         self.isatty = isatty
         self.every = every
         self._last_print = float("-inf")
         self._last_line = ""
-        # Only the last column (counts, why items wait) gives way when the line is too wide.
         fixed = Column(no_wrap=True)
         columns: list[ProgressColumn] = [
             TextColumn("{task.description}: {task.completed}/{task.total}", table_column=fixed),
@@ -75,24 +77,31 @@ class Progress:
         columns += [
             TextColumn("{task.fields[rate]}", table_column=fixed),
             TimeRemainingColumn(table_column=fixed),
-            TextColumn(
-                "{task.fields[detail]}",
-                markup=False,
-                table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1),
-            ),
         ]
-        self.bar = Bar(*columns, console=self.console, auto_refresh=False, expand=isatty)
-        self._task = self.bar.add_task("", total=None, rate="", detail="")
+        self.bar = Bar(*columns, console=self.console, auto_refresh=False)
+        self._task = self.bar.add_task("", total=None, rate="")
+        self._detail = ""
         self._live: Live | None = None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The bar's columns, then what holds the run up and the counts: one line where they
+        fit; on a narrower terminal the text goes on below at the full width, never cut."""
+        head = console.render_lines(
+            self.bar.get_renderable(), options.update(width=_UNCUT), pad=False
+        )[0]
+        line = Text.assemble(*((s.text, s.style or "") for s in head if not s.control))
+        line.rstrip()
+        if self._detail:
+            line.append(" " + self._detail)
+        line.no_wrap, line.overflow = False, "fold"
+        yield line
 
     def show(self, snap: Snapshot, final: bool = False) -> None:
         """Show ``snap``; ``final`` leaves the last line on the screen, once."""
         self._update(snap)
         if self.isatty:
             if self._live is None:
-                self._live = Live(
-                    self.bar, console=self.console, auto_refresh=False, transient=False
-                )
+                self._live = Live(self, console=self.console, auto_refresh=False, transient=False)
                 self._live.start()
             if final:
                 self._live.stop()  # draws the last state once and ends the line
@@ -102,25 +111,31 @@ class Progress:
             return
         now = time.monotonic()
         with self.console.capture() as line:
-            self.console.print(self.bar.get_renderable())
+            self.console.print(self)
         if (final and line.get() != self._last_line) or now - self._last_print >= self.every:
             self._last_print, self._last_line = now, line.get()
             self.console.file.write(line.get())
 
     def _update(self, snap: Snapshot) -> None:
         total = snap.total or snap.run.total_items
-        detail = " ".join(f"{s.label.lower()} {snap.counts[s]}" for s in _ORDER if snap.counts[s])
-        if snap.waiting:
-            waits = ", ".join(f"{n} {why}" for why, n in snap.waiting.items())
-            detail += f" | waiting: {waits}"
-        if snap.why:
-            detail += f" | {snap.why}"
+        counts = " ".join(f"{s.label.lower()} {snap.counts[s]}" for s in _ORDER if snap.counts[s])
+        self._detail = " | ".join(part for part in (*holds(snap), counts) if part)
         self.bar.update(
             self._task,
             description=f"run {snap.run.pk} {snap.run.status}",
             completed=snap.done,
             total=total,
-            detail=detail,
         )
         speed = self.bar.tasks[0].speed
         self.bar.update(self._task, rate=f"{speed:.1f} items/s" if speed else "")
+
+
+def holds(snap: Snapshot) -> list[str]:
+    """What holds the run up, the limit that binds first: why its claimable items are not
+    running (max_parallel, busy workers, a stall), then the held items per reason, the largest
+    group first (a pool full or rate limited, a retry not yet due)."""
+    out = [snap.why] if snap.why else []
+    if snap.waiting:
+        held = sorted(snap.waiting.items(), key=lambda reason_n: -reason_n[1])
+        out.append("waiting: " + ", ".join(f"{n} {why}" for why, n in held))
+    return out

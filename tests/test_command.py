@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
+import select
+import signal
+import struct
+import subprocess
+import termios
+import time
 from io import StringIO
 from typing import Any
 
@@ -305,18 +313,31 @@ def screen(output: str, width: int) -> list[str]:
     return [line.rstrip() for line in lines if line.strip()]
 
 
-def test_progress_on_a_terminal_is_one_line_fitted_to_its_width_and_redrawn_in_place() -> None:
+def test_progress_on_a_terminal_fits_its_width_and_is_redrawn_in_place_reason_whole() -> None:
     out = StringIO()
     progress = Progress(OutputWrapper(out), isatty=True, width=80)
+    *steps, last = snapshots(100)
 
-    for snap in snapshots(100)[:-1]:
+    for snap in steps:
         progress.show(snap)
-    assert len(screen(out.getvalue(), 80)) == 1
-    progress.show(snapshots(100)[-1], final=True)
+    shown = screen(out.getvalue(), 80)  # no line wider than 80 columns
 
-    (line,) = screen(out.getvalue(), 80)
-    assert line.startswith("run 7 succeeded: 100/100 (100%) ")
-    assert out.getvalue().count("\n") == 1
+    # Only the latest frame is on the screen; what holds the run up comes before the counts,
+    # whole, on as many lines as it takes.
+    assert shown[0].startswith("run 7 running: 91/100 (91%) ")
+    text = " ".join(shown)
+    assert "…" not in text
+    assert text.endswith(
+        "waiting: 40 payments: pool full (3/3), 12 account-0042: rate limited | "
+        "succeeded 90 failed 1 running 3 pending 6"
+    )
+    progress.show(last, final=True)
+
+    # The last frame replaced the others, whose longer reason left no line behind.
+    final = screen(out.getvalue(), 80)
+    assert final[0].startswith("run 7 succeeded: 100/100 (100%) ")
+    assert " ".join(final).endswith(" succeeded 99 failed 1")
+    assert "waiting" not in " ".join(final)
 
 
 def test_progress_elsewhere_is_one_plain_line_per_interval_never_cut() -> None:
@@ -333,10 +354,80 @@ def test_progress_elsewhere_is_one_plain_line_per_interval_never_cut() -> None:
     assert len(lines) == 2
     assert lines[0].startswith("run 7 running: 1/100 (1%) ")
     assert lines[0].endswith(
-        "failed 1 running 3 pending 96 | waiting: 40 payments: pool full (3/3), "
-        "12 account-0042: rate limited"
+        " waiting: 40 payments: pool full (3/3), 12 account-0042: rate limited | "
+        "failed 1 running 3 pending 96"
     )
     assert lines[1].startswith("run 7 succeeded: 100/100 (100%) ")
+
+
+def on_a_terminal(args: list[str], env: dict[str, str], columns: int, until: str) -> str:
+    """Run ``manage.py ARGS`` on a pseudo-terminal ``columns`` wide; Ctrl-C it once its output
+    holds ``until``; return everything it wrote there."""
+    main, child = os.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        [procs.PYTHON, "manage.py", *args],
+        cwd=procs.ROOT,
+        env={**env, "COLUMNS": "", "LINES": ""},
+        stdin=child,
+        stdout=child,
+        stderr=subprocess.PIPE,
+    )
+    os.close(child)
+    text, interrupted = b"", False
+    deadline = time.monotonic() + 120  # a safety net for a broken run, not a measure
+    try:
+        while time.monotonic() < deadline:
+            if not interrupted and until.encode() in text:
+                proc.send_signal(signal.SIGINT)
+                interrupted = True
+            ready, _, _ = select.select([main], [], [], 0.5)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal's last writer left
+                break
+            if not chunk:
+                break
+            text += chunk
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main)
+    assert interrupted, f"the output never held {until!r}:\n{text.decode()}"
+    return text.decode()
+
+
+def test_on_a_terminal_of_120_columns_the_rate_limit_that_binds_comes_first_and_whole(
+    database_url: str,
+) -> None:
+    # One item an hour while four workers are free: the pool's rate is what holds the run.
+    pool = "payments-provider-eu-west-1-shared-by-every-account-of-the-region"
+    CapacityPool.objects.create(
+        name=pool, max_concurrency=4, rate_count=1, rate_period=3600.0, burst=1
+    )
+
+    output = on_a_terminal(
+        ["run_fanout", "pools_named", "--run-key", "bound"]
+        + ["--param", "n=40", "--param", f"pool={pool}"],
+        procs.child_env(database_url),
+        columns=120,
+        until="1/40",
+    )
+
+    lines = screen(output, 120)  # no line wider than the terminal
+    # The last frame of progress stays on the screen, above the report's first line.
+    report = next(i for i, line in enumerate(lines) if re.match(r"run \d+ \(pools_named", line))
+    (start,) = [i for i, line in enumerate(lines[:report]) if re.match(r"run \d+ running", line)]
+    frame = lines[start:report]
+    reason = f"waiting: 39 {pool}: rate limited".replace(" ", "")
+    text = "".join(frame).replace(" ", "")
+    assert "…" not in text, frame
+    assert reason in text, frame
+    assert text.index(reason) < text.index("succeeded1"), frame
 
 
 @override_settings(FANOUT_POOLS={"slots-pool": {"max_concurrency": 5, "rate": "50/s"}})

@@ -1,14 +1,15 @@
-"""Following the README into a brand-new project, as a user would, works from the first step.
+"""Following the README and the docs into a brand-new project, as a user would, works from the
+first step, and every example they show runs as it is written.
 
-The wheel is built and installed once into a fresh virtualenv (with the Django this suite runs
-on); `django-admin startproject` makes each project; the README's settings block is applied as
-it is, plus a fresh PostgreSQL database and this session's Redis.
-
-- A tiny app defines a fan-out: `migrate` and `check` pass, every fanout admin page answers 200
-  to a superuser, and the definition runs inline and through one real `rqworker` process.
-- The README itself: every ```python block goes where its first line says (the app's
-  `fanouts.py`, the settings, the URLconf), the commands marked as tested run as written in
-  bash, and every definition it shows runs to success. A README example that breaks fails here.
+The wheel is built once and installed into a fresh virtualenv (with the Django this suite runs
+on); `django-admin startproject` makes the project, with a fresh PostgreSQL database and this
+session's Redis. Then the README and every page of docs/, in the order of their table of
+contents: every ```python block goes where its first line says (the app's `fanouts.py`, the
+settings, the URLconf), every ```sh (or console) block runs in bash as written (its
+`pip install` lines install the built wheel, with no index), every definition they show runs
+to success, `check` says nothing, and every fanout admin page answers 200 to a superuser. An
+example that breaks fails here; the few blocks that cannot run in a test say why, right above
+them.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import dj_database_url
@@ -34,103 +35,11 @@ import pytest
 from redis import Redis
 from redis.exceptions import RedisError
 
-from tests.procs import ROOT, finish, spawn_manage
+from tests.procs import ROOT
 
 pytestmark = pytest.mark.install
 
 ADMIN_DATABASE_URL = "postgres://root@127.0.0.1:5432/postgres"
-ITEMS = 7
-
-MODELS = """
-from django.db import models
-
-
-class Invoice(models.Model):
-    amount = models.IntegerField()
-    charged_by = models.CharField(max_length=20, blank=True)
-"""
-
-FANOUTS = """
-from fanout import FanOut, Item
-
-from .models import Invoice
-
-
-def charge(item: Item) -> dict:
-    Invoice.objects.filter(pk=item.payload["id"]).update(charged_by=item.params["by"])
-    return {"amount": item.payload["amount"]}
-
-
-FanOut(
-    "charge_invoices",
-    over=lambda params: Invoice.objects.order_by("pk"),
-    key=lambda invoice: f"invoice-{invoice.pk}",
-    payload=lambda invoice: {"id": invoice.pk, "amount": invoice.amount},
-    do=charge,
-    pool="payments",
-    max_parallel=4,
-    params={"by": str},
-    join=lambda outcomes: {"charged": sum(o.result["amount"] for o in outcomes)},
-)
-"""
-
-# Run in the new project's virtualenv, as its settings say: pages a superuser opens.
-ADMIN_PAGES = """
-import json, sys
-
-import django
-from django.test.utils import setup_test_environment
-
-django.setup()
-setup_test_environment()  # lets the test client's host in
-
-from django.contrib.auth import get_user_model
-from django.test import Client
-from django.urls import reverse
-
-from fanout.models import BatchRun, CapacityPool, ItemClaim
-
-user = get_user_model().objects.create_superuser("admin", "admin@example.com", "pw")
-client = Client()
-client.force_login(user)
-run = BatchRun.objects.get(run_key="inline")
-item = ItemClaim.objects.filter(run=run).order_by("index").first()
-pool = CapacityPool.objects.get(name="payments")
-pages = [
-    reverse("admin:index"),
-    reverse("admin:fanout_batchrun_changelist"),
-    reverse("admin:fanout_batchrun_change", args=[run.pk]),
-    reverse("admin:fanout_itemclaim_changelist"),
-    reverse("admin:fanout_itemclaim_changelist") + f"?run={run.pk}&status=succeeded",
-    reverse("admin:fanout_itemclaim_change", args=[item.pk]),
-    reverse("admin:fanout_capacitypool_changelist"),
-    reverse("admin:fanout_capacitypool_change", args=[pool.pk]),
-]
-print(json.dumps({page: client.get(page).status_code for page in pages}))
-"""
-
-REPORT = """
-import json
-
-import django
-
-django.setup()
-from fanout.models import BatchRun
-from shop.models import Invoice
-
-print(json.dumps({
-    "runs": {r.run_key: [r.status, r.join_result] for r in BatchRun.objects.all()},
-    "charged_by": sorted(set(Invoice.objects.values_list("charged_by", flat=True))),
-}))
-"""
-
-
-def readme_settings() -> str:
-    """The settings block of the README's "Install into your project" section."""
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- install-settings[^>]*-->\s*```python\n(.*?)```", readme, re.S)
-    assert found, "README.md has no <!-- install-settings --> python block"
-    return found.group(1)
 
 
 def reachable(database_url: str, redis_url: str) -> str:
@@ -183,23 +92,31 @@ def services(redis_url: str) -> Iterator[tuple[str, str]]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@dataclass(frozen=True)
+class Installed:
+    bin: Path  # the virtualenv's bin directory
+    wheels: Path  # the directory that holds the built wheel, and nothing else
+
+
 @pytest.fixture(scope="module")
-def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bin directory of one virtualenv with the wheel, shared by this module's projects."""
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """One virtualenv with the wheel, shared by this module's projects."""
     return venv_with_the_wheel(tmp_path_factory.mktemp("install"))
 
 
-def venv_with_the_wheel(tmp_path: Path) -> Path:
-    """A fresh virtualenv holding the built wheel (with the prometheus extra that the README's
-    metrics example needs), its dependencies and this suite's Django."""
+def venv_with_the_wheel(tmp_path: Path) -> Installed:
+    """A fresh virtualenv holding the built wheel with every extra that the docs install (so
+    that their `pip install "django-fanout[...]"` lines need no index), its dependencies and
+    this suite's Django."""
     dist = tmp_path / "dist"
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, ROOT], ROOT)
     (wheel,) = dist.glob("django_fanout-*.whl")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], tmp_path)
     pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run([*pip, f"{wheel}[prometheus]", f"Django=={django.get_version()}"], tmp_path, timeout=600)
-    return venv / "bin"
+    extras = "mysql,otel,prometheus"
+    run([*pip, f"{wheel}[{extras}]", f"Django=={django.get_version()}"], tmp_path, timeout=600)
+    return Installed(venv / "bin", dist)
 
 
 def run(
@@ -219,31 +136,6 @@ def run(
     return done.stdout
 
 
-def new_project(bin_dir: Path, where: Path, database_url: str, redis_url: str) -> Path:
-    """`django-admin startproject site`, the README's settings, and an app with a fan-out."""
-    where.mkdir(parents=True, exist_ok=True)  # Django before 6.0 wants it to exist
-    run([bin_dir / "django-admin", "startproject", "mysite", where], where.parent)
-    (where / "shop" / "migrations").mkdir(parents=True)
-    for name, text in {
-        "__init__.py": "",
-        "migrations/__init__.py": "",
-        "models.py": MODELS,
-        "fanouts.py": FANOUTS,
-    }.items():
-        (where / "shop" / name).write_text(textwrap.dedent(text))
-    settings = where / "mysite" / "settings.py"
-    settings.write_text(
-        settings.read_text()
-        + "\n# ---- from README.md, as it is\n"
-        + readme_settings()
-        + "\n# ---- this test's own: its app, a fresh database, its Redis database\n"
-        + 'INSTALLED_APPS += ["shop"]\n'
-        + f"DATABASES = {{'default': {dj_database_url.parse(database_url)!r}}}\n"
-        + f'RQ_QUEUES["fanout"]["URL"] = {redis_url!r}\n'
-    )
-    return where
-
-
 def project_env(bin_dir: Path, project: Path) -> dict[str, str]:
     """The environment a user's shell has in the project: its virtualenv first on PATH."""
     return {
@@ -254,73 +146,136 @@ def project_env(bin_dir: Path, project: Path) -> dict[str, str]:
     }
 
 
-def test_a_new_project_that_follows_the_readme_migrates_checks_serves_the_admin_and_runs(
-    tmp_path: Path, bin_dir: Path, services: tuple[str, str]
-) -> None:
-    database_url, redis_url = services
-    project = new_project(bin_dir, tmp_path / "project", database_url, redis_url)
-    env = project_env(bin_dir, project)
-    python = bin_dir / "python"
 
-    def manage(*args: str) -> str:
-        return run([python, "manage.py", *args], project, env)
+DOCS = ROOT / "docs"
+# Blocks that are examples, and run: Python placed in the project, shell run in bash.
+PYTHON_BLOCKS = {"python"}
+SHELL_BLOCKS = {"sh", "bash", "shell", "console"}
+# Blocks that are not examples: output, syntax, a JSON report (which must parse).
+NOT_EXAMPLES = {"text", "json"}
+EXAMPLES = PYTHON_BLOCKS | SHELL_BLOCKS
+NOT_RUN = re.compile(r"<!-- not run: (?P<why>.*?) -->")
+# A block that cannot run in a test is the exception: raise this only with a reason to.
+NOT_RUN_AT_MOST = 3
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
+DEFINED = re.compile(r"\b(?:FanOut|Group)\(\s*\"([^\"]+)\"")
 
-    manage("makemigrations", "shop", "-v0")
-    manage("migrate", "--noinput", "-v0")
-    checked = subprocess.run(
-        [python, "manage.py", "check"], cwd=project, env=env, capture_output=True, text=True
-    )
-    assert checked.returncode == 0, checked.stderr
-    assert "fanout." not in checked.stdout + checked.stderr
-    manage(
-        "shell",
-        "-c",
-        f"from shop.models import Invoice\n"
-        f"Invoice.objects.bulk_create(Invoice(amount=i) for i in range(1, {ITEMS + 1}))",
-    )
 
-    inline = json.loads(
-        manage(
-            "run_fanout", "charge_invoices", "--param", "by=inline", "--run-key", "inline", "--json"
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page: where it is, its language, its text, and why it does not
+    run if its page says so."""
+
+    page: str
+    line: int
+    language: str
+    code: str
+    not_run: str | None
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
+
+
+def doc_pages() -> list[Path]:
+    """The README, then the pages of docs/ in the order of its table of contents."""
+    index = (DOCS / "index.md").read_text()
+    toctree = re.search(r"^```\{toctree\}\n(.*?)^```", index, re.S | re.M)
+    assert toctree, "docs/index.md has no {toctree}"
+    names = [
+        line.strip()
+        for line in toctree.group(1).splitlines()
+        if line.strip() and not line.lstrip().startswith(":")
+    ]
+    return [ROOT / "README.md", *(DOCS / f"{name}.md" for name in names)]
+
+
+def code_blocks(page: Path) -> list[Block]:
+    """Every fenced block of ``page`` but MyST's directives ({toctree}, {include}); a
+    {code-block} is read as the language it names."""
+    lines = page.read_text().splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, fence = len(opening["indent"]), opening["fence"]
+        end = next(
+            (
+                j
+                for j in range(i + 1, len(lines))
+                if set(lines[j].strip()) == {fence[0]} and len(lines[j].strip()) >= len(fence)
+            ),
+            len(lines),
         )
-    )
-    assert (inline["status"], inline["counts"]["succeeded"]) == ("succeeded", ITEMS)
-
-    worker = spawn_manage(["rqworker", "fanout"], env, python=python, cwd=project)
-    try:
-        by_rq = json.loads(
-            run(
-                [python, "manage.py", "run_fanout", "charge_invoices", "--param", "by=rq"]
-                + ["--run-key", "rq", "--executor", "rq", "--json"],
-                project,
-                env,
-                timeout=120,
+        info = opening["info"].strip()
+        language = info.split()[0] if info else ""
+        if language.startswith("{"):
+            directive, _, argument = info[1:].partition("}")
+            language = argument.strip() if directive in ("code-block", "code", "sourcecode") else ""
+            if not language:
+                i = end + 1
+                continue
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        marked = NOT_RUN.search(before)
+        # A block in a list item is indented with its fence: its code is not.
+        code = "\n".join(
+            line[indent:] if not line[:indent].strip() else line for line in lines[i + 1 : end]
+        )
+        blocks.append(
+            Block(
+                page=str(page.relative_to(ROOT)),
+                line=i + 1,
+                language=language,
+                code=code + "\n",
+                not_run=marked["why"].strip() if marked else None,
             )
         )
-    finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        _, _, worker_log = finish(worker)
-    assert (by_rq["status"], by_rq["counts"]["succeeded"]) == ("succeeded", ITEMS), worker_log
-
-    statuses = json.loads(run([python, "-c", ADMIN_PAGES], project, env))
-    assert statuses and set(statuses.values()) == {200}, statuses
-
-    ran = json.loads(run([python, "-c", REPORT], project, env))
-    total = ITEMS * (ITEMS + 1) // 2
-    assert ran["runs"] == {
-        "inline": ["succeeded", {"charged": total}],
-        "rq": ["succeeded", {"charged": total}],
-    }
-    assert ran["charged_by"] == ["rq"]  # the rq run charged every invoice, in the worker
+        i = end + 1
+    return blocks
 
 
-# ---------------------------------------------------------------------- the README's examples
+def doc_blocks() -> list[Block]:
+    return [block for page in doc_pages() for block in code_blocks(page)]
 
-README = ROOT / "README.md"
-TESTED_COMMANDS = "<!-- tested:"
 
-# What the README's examples take as the user's own code: their models and a payments client.
-README_MODELS = """
+def test_every_page_of_the_docs_is_read_by_the_examples_test() -> None:
+    pages = {p.name for p in doc_pages()[1:]}
+
+    assert pages == {p.name for p in DOCS.glob("*.md")} - {"index.md"}
+
+
+def test_every_block_of_the_docs_names_its_language_and_the_few_not_run_say_why() -> None:
+    blocks = doc_blocks()
+    unknown = [b.where for b in blocks if b.language not in EXAMPLES | NOT_EXAMPLES]
+    not_run = [b for b in blocks if b.not_run is not None]
+
+    assert len(blocks) > 20
+    assert not unknown, (
+        f"blocks without a language this test knows: {unknown}; mark an example python or sh, "
+        "anything else text"
+    )
+    assert all(b.not_run for b in not_run), [b.where for b in not_run if not b.not_run]
+    assert all(b.language in EXAMPLES for b in not_run), [b.where for b in not_run]
+    assert len(not_run) <= NOT_RUN_AT_MOST, (
+        f"{len(not_run)} blocks are not run ({', '.join(b.where for b in not_run)}): make them "
+        "runnable rather than raise NOT_RUN_AT_MOST"
+    )
+
+
+def test_every_json_block_of_the_docs_parses() -> None:
+    for block in doc_blocks():
+        if block.language == "json":
+            try:
+                json.loads(block.code)
+            except ValueError as exc:
+                pytest.fail(f"{block.where}: {exc}")
+
+
+# What the examples take as the user's own code: their models and a payments client.
+DOCS_MODELS = """
 from django.db import models
 
 
@@ -338,7 +293,7 @@ class Repo(models.Model):
     name = models.CharField(max_length=50)
 """
 
-README_PAYMENTS = """
+DOCS_PAYMENTS = """
 from dataclasses import dataclass
 
 
@@ -360,13 +315,14 @@ def charge(invoice_id: int, idempotency_key: str) -> Receipt:
 """
 
 # Rows the examples work on, written by `migrate` (the README's first command) like any data.
-README_DATA = """
+DOCS_DATA = """
 from django.db import migrations
 
 
 def rows(apps, schema_editor):
     Invoice, Org, Repo = (apps.get_model("myapp", m) for m in ("Invoice", "Org", "Repo"))
     Invoice.objects.bulk_create(Invoice(month="2026-11", amount=i) for i in range(1, 6))
+    Invoice.objects.bulk_create(Invoice(month="2026-12", amount=i) for i in range(1, 4))
     for o in range(1, 4):
         org = Org.objects.create(name=f"org-{o}")
         Repo.objects.bulk_create(Repo(org=org, name=f"repo-{o}-{r}") for r in range(3))
@@ -377,11 +333,52 @@ class Migration(migrations.Migration):
     operations = [migrations.RunPython(rows)]
 """
 
-# The definitions the README shows besides the quick start's, run as its text says, in one
-# process (each `manage.py` costs a Django start-up); then a mistyped month, which the README
-# says exits 3 (an empty work list that charge_invoices refuses), and what every run became.
-README_RUNS = """
+# Run in the new project's virtualenv, as its settings say: pages a superuser opens.
+ADMIN_PAGES = """
 import json, sys
+
+import django
+from django.test.utils import setup_test_environment
+
+django.setup()
+setup_test_environment()  # lets the test client's host in
+
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.urls import reverse
+
+from fanout.models import BatchRun, CapacityPool, ItemClaim
+
+user = get_user_model().objects.create_superuser("admin", "admin@example.com", "pw")
+client = Client()
+client.force_login(user)
+run = BatchRun.objects.filter(definition="charge_invoices").order_by("pk").first()
+item = ItemClaim.objects.filter(run=run).order_by("index").first()
+pool = CapacityPool.objects.get(name="payments")
+pages = [
+    reverse("admin:index"),
+    reverse("admin:fanout_batchrun_changelist"),
+    reverse("admin:fanout_batchrun_change", args=[run.pk]),
+    reverse("admin:fanout_itemclaim_changelist"),
+    reverse("admin:fanout_itemclaim_changelist") + f"?run={run.pk}&status=succeeded",
+    reverse("admin:fanout_itemclaim_change", args=[item.pk]),
+    reverse("admin:fanout_capacitypool_changelist"),
+    reverse("admin:fanout_capacitypool_change", args=[pool.pk]),
+    "/fanout/metrics",  # the docs' URLconf block, answering a staff user
+]
+print(json.dumps({page: client.get(page).status_code for page in pages}))
+"""
+
+# The definitions that no shell example runs, run as the docs say, in one process (each
+# `manage.py` costs a Django start-up); then a mistyped month, which the docs say exits 3 (an
+# empty work list that charge_invoices refuses); then every run there is.
+EXTRA_RUNS = {
+    "onboard_org": ["onboard_org", "--param", "org=1"],
+    "charge_month": ["charge_month", "--param", "month=2026-11"],
+    "mistyped month": ["charge_invoices", "--param", "month=2026-1", "--run-key", "mistyped"],
+}
+DOCS_RUNS = f"""
+import json
 
 import django
 
@@ -392,90 +389,82 @@ from django.core.management import CommandError, call_command
 
 from fanout.models import BatchRun
 
-codes = {}
-for args in (["sync_orgs"], ["onboard_org", "--param", "org=1"],
-             ["charge_month", "--param", "month=2026-11"],
-             ["charge_invoices", "--param", "month=2026-1"]):
+codes = {{}}
+for name, args in {EXTRA_RUNS!r}.items():
     try:
         call_command("run_fanout", *args, stdout=StringIO(), stderr=StringIO())
-        codes[args[0]] = 0
+        codes[name] = 0
     except CommandError as exc:
-        codes[args[0]] = exc.returncode
-runs = {r.definition: [r.status, r.join_result] for r in BatchRun.objects.filter(parent_item=None)}
-print(json.dumps({"codes": codes, "runs": runs}, default=str))
+        codes[name] = exc.returncode
+runs = [
+    [r.definition, r.run_key, r.status, r.join_result, r.parent_item_id is None]
+    for r in BatchRun.objects.order_by("pk")
+]
+print(json.dumps({{"codes": codes, "runs": runs}}, default=str))
 """
 
 
-def readme_blocks(language: str) -> list[tuple[int, str, str]]:
-    """Every ```language block of README.md: (line, the text before it, its code)."""
-    text = README.read_text()
-    pattern = rf"^```{language}\n(.*?)^```"
-    return [
-        (text.count("\n", 0, m.start()) + 1, text[: m.start()], m.group(1))
-        for m in re.finditer(pattern, text, re.S | re.M)
-    ]
-
-
-def readme_python() -> dict[str, str]:
-    """The README's Python blocks by where they go: the app's fanouts.py, settings, urls."""
+def project_files(blocks: list[Block]) -> dict[str, str]:
+    """The Python blocks by where they go: the app's fanouts.py, the settings, the URLconf."""
     files = {"fanouts": "", "settings": "", "urls": ""}
-    for line, _, code in readme_blocks("python"):
-        if code.startswith("# myapp/fanouts.py"):
-            files["fanouts"] += code + "\n\n"
-        elif code.startswith(("INSTALLED_APPS", "FANOUT_POOLS")):
-            files["settings"] += code + "\n"
-        elif "urlpatterns" in code:
-            files["urls"] += code + "\n"
+    for block in blocks:
+        if block.language not in PYTHON_BLOCKS or block.not_run is not None:
+            continue
+        first = block.code.lstrip().splitlines()[0]
+        if first.startswith("# myapp/fanouts.py"):
+            files["fanouts"] += f"# ---- {block.where}\n{block.code}\n\n"
+        elif first.startswith("# urls.py") or "urlpatterns" in block.code:
+            files["urls"] += f"# ---- {block.where}\n{block.code}\n"
+        elif first.startswith("# settings.py") or re.match(r"[A-Z][A-Z0-9_]* \+?=", first):
+            files["settings"] += f"# ---- {block.where}\n{block.code}\n"
         else:
             pytest.fail(
-                f"README.md line {line}: a python block this test cannot place; begin it with "
-                "'# myapp/fanouts.py', a settings name, or make it a urls.py block"
+                f"{block.where}: a python block this test cannot place; begin it with "
+                "'# myapp/fanouts.py', '# settings.py' (or a setting) or '# urls.py'"
             )
     return files
 
 
-def readme_commands() -> list[tuple[int, str]]:
-    """The shell blocks that the README marks as tested, in order."""
-    return [
-        (line, code)
-        for line, before, code in readme_blocks("sh")
-        if before.rstrip().splitlines()[-1].startswith(TESTED_COMMANDS)
-    ]
+def shell_script(block: Block) -> str:
+    """What a shell block runs: itself, or a console block's commands without their prompt."""
+    if block.language != "console":
+        return block.code
+    return "".join(line[2:] + "\n" for line in block.code.splitlines() if line.startswith("$ "))
 
 
-def readme_project(bin_dir: Path, where: Path, database_url: str, redis_url: str) -> Path:
-    """startproject, every README settings block, the app `myapp` from the README's fanouts.py
-    blocks (with the models and the payments client they name), and its URLconf block."""
+def docs_project(bin_dir: Path, where: Path, database_url: str, redis_url: str) -> Path:
+    """startproject, every settings block, the app `myapp` from the fanouts.py blocks (with the
+    models and the payments client they name), and the URLconf blocks."""
     where.mkdir(parents=True, exist_ok=True)
     run([bin_dir / "django-admin", "startproject", "mysite", where], where.parent)
-    blocks = readme_python()
+    files = project_files(doc_blocks())
     app = where / "myapp"
     (app / "migrations").mkdir(parents=True)
     for name, text in {
         "__init__.py": "",
         "migrations/__init__.py": "",
-        "models.py": README_MODELS,
-        "payments.py": README_PAYMENTS,
-        "fanouts.py": blocks["fanouts"],
+        "models.py": DOCS_MODELS,
+        "payments.py": DOCS_PAYMENTS,
+        "fanouts.py": files["fanouts"],
     }.items():
         (app / name).write_text(text)
     settings = where / "mysite" / "settings.py"
     settings.write_text(
         settings.read_text()
-        + "\n# ---- from README.md, as it is\n"
-        + blocks["settings"]
+        + "\n# ---- from the README and docs/, as they are\n"
+        + files["settings"]
         + "\n# ---- this test's own: the app, a fresh database, its Redis database\n"
         + 'INSTALLED_APPS += ["myapp"]\n'
         + f"DATABASES = {{'default': {dj_database_url.parse(database_url)!r}}}\n"
         + f'RQ_QUEUES["fanout"]["URL"] = {redis_url!r}\n'
     )
     urls = where / "mysite" / "urls.py"
-    urls.write_text(urls.read_text() + "\n# ---- from README.md, as it is\n" + blocks["urls"])
+    urls.write_text(urls.read_text() + "\n# ---- from the README and docs/\n" + files["urls"])
     return where
 
 
 def run_commands(code: str, project: Path, env: dict[str, str], log: Path) -> tuple[int, str]:
-    """Run a README shell block in bash as a user would; stop what it left in the background."""
+    """Run a shell block in bash as a user would; stop what it left in the background."""
     with open(log, "w") as out:
         shell = subprocess.Popen(
             ["bash", "-euo", "pipefail", "-c", code],
@@ -510,33 +499,49 @@ def stop_group(pgid: int) -> None:
             time.sleep(0.1)
 
 
-def test_every_readme_example_runs_as_written_in_a_new_project(
-    tmp_path: Path, bin_dir: Path, services: tuple[str, str]
+def test_every_example_of_the_readme_and_the_docs_runs_as_written_in_a_new_project(
+    tmp_path: Path, installed: Installed, services: tuple[str, str]
 ) -> None:
     database_url, redis_url = services
-    project = readme_project(bin_dir, tmp_path / "readme", database_url, redis_url)
-    env = project_env(bin_dir, project)
-    python = bin_dir / "python"
+    blocks = doc_blocks()
+    fanouts = project_files(blocks)["fanouts"]
+    defined = DEFINED.findall(fanouts)
+    assert len(defined) == len(set(defined)), f"a definition's name is used twice: {defined}"
+    project = docs_project(installed.bin, tmp_path / "docs", database_url, redis_url)
+    env = project_env(installed.bin, project)
+    python = installed.bin / "python"
     run([python, "manage.py", "makemigrations", "myapp", "-v0"], project, env)
-    (project / "myapp" / "migrations" / "0002_rows.py").write_text(README_DATA)
-    commands = readme_commands()
-    assert len(commands) >= 2, "README.md marks fewer shell blocks as tested than expected"
+    (project / "myapp" / "migrations" / "0002_rows.py").write_text(DOCS_DATA)
+    # The docs' own `pip install django-fanout` installs it, from the wheel and nothing else.
+    run([python, "-m", "pip", "uninstall", "-q", "-y", "django-fanout"], project, env)
+    shell_env = {**env, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(installed.wheels)}
+    commands = [b for b in blocks if b.language in SHELL_BLOCKS and b.not_run is None]
+    assert any("pip install django-fanout" in b.code for b in commands), "no install line ran"
 
-    for line, code in commands:
-        exit_code, output = run_commands(code, project, env, tmp_path / f"readme-{line}.log")
-        assert exit_code == 0, f"README.md line {line} exited {exit_code}:\n{code}\n{output}"
+    for block in commands:
+        log = tmp_path / f"{block.page.replace('/', '-')}-{block.line}.log"
+        exit_code, output = run_commands(shell_script(block), project, shell_env, log)
+        assert exit_code == 0, f"{block.where} exited {exit_code}:\n{block.code}\n{output}"
         assert not re.search(r"fanout\.[EW]\d{3}", output), output  # check said nothing
+        assert "does not provide the extra" not in output, output
 
-    ran = json.loads(run([python, "-c", README_RUNS], project, env).splitlines()[-1])
-    assert ran["codes"] == {
-        "sync_orgs": 0,
-        "onboard_org": 0,
-        "charge_month": 0,
-        "charge_invoices": 3,
-    }, ran
+    ran = json.loads(run([python, "-c", DOCS_RUNS], project, env).splitlines()[-1])
+    assert ran["codes"] == {"onboard_org": 0, "charge_month": 0, "mistyped month": 3}, ran
     runs = ran["runs"]
-    assert runs["charge_invoices"] == ["succeeded", {"charged": 5, "of": 5}], runs
-    assert {name: status for name, (status, _) in runs.items()} == dict.fromkeys(
-        ("charge_invoices", "sync_orgs", "onboard_org", "charge_month"), "succeeded"
-    ), runs
-    assert runs["onboard_org"][1]["crm"] == {"crm": 1}, runs
+    assert {definition for definition, *_ in runs} == set(defined), (
+        "every definition the docs show runs: give it a shell example, or an entry in EXTRA_RUNS"
+    )
+    assert {status for _, _, status, _, _ in runs} == {"succeeded"}, runs
+    joins = {(d, key): join for d, key, _, join, root in runs if root}
+    assert joins["charge_invoices", 'charge_invoices:{"month":"2026-11"}'] == {
+        "charged": 5,
+        "of": 5,
+    }, joins
+    assert joins["charge_invoices", 'charge_invoices:{"month":"2026-12"}'] == {
+        "charged": 3,
+        "of": 3,
+    }, joins
+    assert joins["onboard_org", 'onboard_org:{"org":1}']["crm"] == {"crm": 1}, joins
+
+    statuses = json.loads(run([python, "-c", ADMIN_PAGES], project, env))
+    assert statuses and set(statuses.values()) == {200}, statuses

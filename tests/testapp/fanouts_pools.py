@@ -80,6 +80,8 @@ FanOut("pools_crashing", pool=KILL_POOL, lease_seconds=2, crash_budget=1, **numb
 FanOut("pools_throttle", pool=THROTTLE_POOL, max_attempts=1, max_parallel=4, **numbered_items)
 FanOut("pools_hold", pool=HOLD_POOL, max_parallel=4, **numbered_items)
 FanOut("pools_nowhere", pool=MISSING_POOL, **numbered_items)
+# The pool a run's params name: a test gives it the (long) name it needs.
+FanOut("pools_named", pool=lambda item: item.params["pool"], max_parallel=4, **numbered_items)
 FanOut(
     "pools_accounts",
     over=accounts,
