@@ -28,7 +28,7 @@ from fanout.watch import Progress
 
 T = TypeVar("T")
 
-# Exit codes besides 0 (succeeded) and 2 (a usage error); README.md has the table.
+# Exit codes besides 0 (succeeded) and 2 (a usage error); docs/run-fanout.md has the table.
 EXIT_FAILED = 1  # failed, cancelled, compensation failed, or interrupted
 EXIT_EMPTY = 3  # the work list was empty and the definition refuses that
 EXIT_COMPENSATED = 4  # the run failed or was cancelled, and what succeeded was undone
