@@ -784,17 +784,24 @@ def wait_run(run_id: int, timeout: float, workers: Workers | None = None) -> Any
 
 
 def one_run(
-    name: str, n: int, executor: str, workers: int | None, pool: Workers | None
+    name: str,
+    n: int,
+    executor: str,
+    workers: int | None,
+    pool: Workers | None,
+    fresh: bool = True,
 ) -> dict[str, Any]:
     """Start a run of ``n`` items and wait for its join; return timings from start to join.
 
     ``workers`` is the inline executor's threads; through RQ it is None, so the run gets the
     library's default number of drain jobs, each running FANOUT_WORKER_THREADS items at once.
+    ``fresh`` empties fanout's tables first; the consecutive runs keep the rows before them.
     """
     from fanout.definition import get_definition
 
     definition = get_definition(name)
-    reset_tables()
+    if fresh:
+        reset_tables()
     if pool is not None:
         pool.wait_idle()
     usage = Usage(pool.pids() if pool is not None else [os.getpid()])
@@ -1864,6 +1871,58 @@ def report_scheduling(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------- 7. consecutive runs, same workers
+
+
+def phase_consecutive(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """Runs one after another on the same two long-lived workers, each run's rows kept, as users
+    keep workers up for days and start run after run. Every other phase starts from empty
+    tables, so it never sees a pick whose plan flips once the statistics lag behind the table.
+    Each run is compared with a bare 2-transaction loop measured just before it."""
+    n = cfg.consecutive_items
+    runs: list[dict[str, Any]] = []
+    with Workers(2, logdir) as pool:
+        warm_up(pool)
+        for r in range(cfg.consecutive_runs):
+            bare = retry_db("consecutive/bare", partial(bare_once, n, 1, 2, two_tx=True))
+            res = retry_db(
+                "consecutive/rq2",
+                lambda: one_run("bench.noop_each", n, "rq", None, pool, fresh=False),
+            )
+            res["bare_items_per_s"] = bare["items_per_s"]
+            res["to_bare"] = res["items_per_s"] / bare["items_per_s"]
+            runs.append(res)
+            log(
+                f"  consecutive #{r + 1}: {res['items_per_s']:,.0f} items/s, bare 2-tx loop "
+                f"just before {bare['items_per_s']:,.0f}/s: {res['to_bare']:.2f} of it"
+            )
+    reset_tables()
+    first = runs[0]["to_bare"]
+    return {
+        "items": n,
+        "runs": runs,
+        "slowest_to_first": min(r["to_bare"] for r in runs) / first,
+    }
+
+
+def report_consecutive(res: dict[str, Any]) -> list[str]:
+    c = res.get("consecutive", {})
+    if not c:
+        return []
+    lines = [
+        f"7. Consecutive runs of {c['items']:,} per-item no-op items on the same 2 RQ workers, "
+        "rows kept"
+    ]
+    for i, r in enumerate(c["runs"], 1):
+        lines.append(
+            f"run {i}: {r['items_per_s']:>7,.0f} items/s, {r['to_bare']:.2f} of the bare 2-tx "
+            f"loop measured just before it ({r['bare_items_per_s']:,.0f}/s)"
+        )
+    ratio = c["slowest_to_first"]
+    lines.append(f"slowest against the first, each to its own bare loop: {ratio:.2f}")
+    return lines
+
+
 # ------------------------------------------------------------------------------ the report
 
 
@@ -1916,6 +1975,14 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     pi, tp, base = res.get("per_item", {}), res.get("throughput", {}), res.get("baseline", {})
     pools = res.get("pools", {})
     sched = res.get("scheduling", {})
+    add(
+        "consecutive runs on the same workers: slowest / first, each to its bare loop",
+        res.get("consecutive", {}).get("slowest_to_first"),
+        ">= 0.9",
+        lambda v: v >= 0.9,
+        "ratio",
+        "issue 19",
+    )
     add(
         "many runs: effective handler concurrency, 24 runs x max_parallel=2 on 16 threads",
         sched.get("many_runs", {}).get("effective_concurrency"),
@@ -2429,6 +2496,7 @@ def print_report(res: dict[str, Any]) -> None:
         report_claims(res),
         report_pools(res),
         report_scheduling(res),
+        report_consecutive(res),
         report_targets(res),
         report_mariadb(res),
     ]
@@ -2457,7 +2525,16 @@ def print_report(res: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------- main
 
-PHASES = ("per_item", "throughput", "baseline", "materialize", "claims", "pools", "scheduling")
+PHASES = (
+    "per_item",
+    "throughput",
+    "baseline",
+    "materialize",
+    "claims",
+    "pools",
+    "scheduling",
+    "consecutive",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -2546,6 +2623,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cfg.pool_threads = 8
     cfg.pool_conc_items = 80 if quick else 480
     cfg.pool_rate_items = 100 if quick else 300
+    cfg.consecutive_items = 2_000 if quick else 10_000
+    cfg.consecutive_runs = 3 if quick else 5
     cfg.phases = [x.strip() for x in cfg.only.split(",") if x.strip()]
     unknown = set(cfg.phases) - set(PHASES)
     if unknown:
@@ -2675,6 +2754,7 @@ def main(argv: list[str] | None = None) -> int:
         "claims": lambda: phase_claims(cfg),
         "pools": lambda: phase_pools(cfg, logdir),
         "scheduling": lambda: phase_scheduling(cfg, logdir),
+        "consecutive": lambda: phase_consecutive(cfg, logdir),
     }
     digest = res["machine"]["fanout_code_digest"] = code_digest()
     interrupted = False
