@@ -92,6 +92,18 @@ def get_definition(name: str) -> FanOut:
         ) from None
 
 
+def unknown_here(name: str, host: str) -> str:
+    """Why a worker cannot run a run of ``name``: its process has never heard of it.
+
+    Said on the run, where an operator reads it beside a `run_fanout --list` of the new deploy
+    that does list the definition: the usual cause is workers started before that deploy.
+    """
+    return (
+        f"no worker could run {name!r}: unknown fan-out on host {host} (workers started "
+        "before it was deployed? restart them)"
+    )
+
+
 def _check_callable(name: str, what: str, value: Any, optional: bool = False) -> None:
     if value is None and optional:
         return

@@ -27,7 +27,7 @@ from rq import SimpleWorker, get_current_job
 from rq.serializers import JSONSerializer
 
 from .conf import conf, host_name
-from .definition import FanOut, get_definition
+from .definition import FanOut, get_definition, unknown_here
 from .errors import DefinitionNotFound, FanoutError
 from .lease import Keepers
 from .models import BatchRun
@@ -304,8 +304,7 @@ def _definition_here(run: BatchRun) -> FanOut | None:
     except DefinitionNotFound:
         from .apps import import_errors
 
-        reason = f"no worker could run {run.definition!r}: unknown fan-out on host "
-        reason += f"{host_name()} (workers started before it was deployed?)"
+        reason = unknown_here(run.definition, host_name())
         for module, error in import_errors().items():
             reason += f"; {module} failed to import there: {error}"
         note_stall(run.pk, reason)

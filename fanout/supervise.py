@@ -99,15 +99,15 @@ def _tend_writing(run: BatchRun) -> str:
     The work list is deterministic and the items' keys unique, so a second writer adds what
     the first did not commit, and nothing twice.
     """
-    from .definition import get_definition
+    from .definition import get_definition, unknown_here
     from .dispatch import dispatch
     from .errors import FanoutError
     from .materialize import WritingInterrupted, materialize
 
     try:
         definition = get_definition(run.definition)
-    except FanoutError as exc:
-        note_stall(run.pk, f"{exc} (on host {host_name()})")
+    except FanoutError:
+        note_stall(run.pk, unknown_here(run.definition, host_name()))
         return "stalled: unknown definition here"
     stalled = bool(run.stalled)
     if stalled:
@@ -157,14 +157,14 @@ def _tend_compensation(run: BatchRun) -> str:
 
 def redispatch(run: BatchRun) -> str:
     """Free the run's dead drain slots, record why they died, and fill the empty ones."""
-    from .definition import get_definition
+    from .definition import get_definition, unknown_here
     from .errors import FanoutError
     from .rq import enqueue_drains, get_queue, reap_slots
 
     try:
         definition = get_definition(run.definition)
-    except FanoutError as exc:
-        note_stall(run.pk, f"{exc} (on host {host_name()})")
+    except FanoutError:
+        note_stall(run.pk, unknown_here(run.definition, host_name()))
         return "stalled: unknown definition here"
     try:
         failures = reap_slots(run, definition)

@@ -110,6 +110,24 @@ def test_a_join_whose_worker_dies_is_taken_over_after_its_lease_and_recorded_onc
     assert run.join_runs == 2
 
 
+def test_a_supervisor_that_does_not_know_a_runs_definition_says_its_workers_may_predate_it(
+    redis: Any,
+) -> None:
+    from fanout.supervise import redispatch
+
+    run = get_definition("rq_items").start({"n": 2}, executor="rq", wait=False)
+    BatchRun.objects.filter(pk=run.pk).update(definition="sync_not_deployed_yet")
+    run.refresh_from_db()
+
+    redispatch(run)
+
+    stalled = BatchRun.objects.get(pk=run.pk).stalled
+    # Not only "unknown fan-out; registered definitions: ...", which `run_fanout --list` in the
+    # new deploy contradicts: what makes a worker not know it, and what mends it.
+    assert "unknown fan-out on host" in stalled
+    assert "workers started before it was deployed? restart them" in stalled
+
+
 def test_a_worker_that_does_not_know_the_definition_says_why_and_the_run_heals_when_fixed(
     processes: Any,
 ) -> None:
