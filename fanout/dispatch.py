@@ -187,6 +187,10 @@ def prepare_run(
     """Create or find the run and make sure its items are written."""
     if executor not in EXECUTORS:
         raise FanoutError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "rq":
+        from .rq import get_queue
+
+        get_queue(definition)  # a queue the settings do not name: refused before any run is made
     run, _ = create_run(definition, dict(params or {}), run_key, max_parallel, executor)
     return materialize(run, definition)
 

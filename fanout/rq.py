@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connection, transaction
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -90,6 +91,12 @@ def get_queue(definition: FanOut) -> Any:
 
     try:
         return django_rq.get_queue(definition.queue, serializer=JSONSerializer)
+    except ImproperlyConfigured:
+        raise FanoutError(
+            f"RQ_QUEUES is not set, so fan-out {definition.name!r} has no queue "
+            f'{definition.queue!r}: add RQ_QUEUES = {{"{definition.queue}": {{"URL": REDIS_URL}}}} '
+            "to the settings, or use --executor inline"
+        ) from None
     except KeyError:
         raise FanoutError(
             f"RQ_QUEUES has no queue {definition.queue!r} for fan-out {definition.name!r}: "

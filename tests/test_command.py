@@ -449,7 +449,35 @@ def test_the_start_line_says_when_a_pools_row_differs_from_fanout_pools() -> Non
     )
     err = StringIO()
     call_command(
-        "run_fanout", "slots_pool", "--param", "n=2", "--run-key", "synced", stderr=err,
+        "run_fanout",
+        "slots_pool",
+        "--param",
+        "n=2",
+        "--run-key",
+        "synced",
+        stderr=err,
         stdout=StringIO(),
     )
     assert "FANOUT_POOLS" not in err.getvalue()
+
+
+def test_an_rq_run_without_rq_queues_is_refused_in_one_line_and_makes_no_run(
+    settings: Any,
+) -> None:
+    del settings.RQ_QUEUES
+    with pytest.raises(CommandError) as refused:
+        call_command(
+            "run_fanout",
+            "t_collect",
+            "--param",
+            "n=3",
+            "--executor",
+            "rq",
+            stdout=StringIO(),
+            stderr=StringIO(),
+        )
+    # Not django-rq's traceback ("You have to define RQ_QUEUES"), and no run left open that
+    # nothing will ever drain.
+    assert refused.value.returncode == 2
+    assert "RQ_QUEUES" in str(refused.value) and "fanout" in str(refused.value)
+    assert not BatchRun.objects.exists()
