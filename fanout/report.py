@@ -219,8 +219,9 @@ def progress_of(
     for r in rows:
         progress[r["run_id"]]._add(r, states)
     quiet = [pk for pk, p in progress.items() if may_stall(p.run, p.activity, now)]
-    for pk, last in last_claims(quiet).items():
+    for pk, (last, since) in last_claims(quiet, now).items():
         progress[pk].activity.last_claimed_at = last
+        progress[pk].activity.claimable_since = since
     for p in progress.values():
         p.why = why_run_waits(p.run, p.activity, now)
     return progress, states

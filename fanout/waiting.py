@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Max, Q
+from django.db.models import Case, Count, F, Max, Min, Q, When
 
 from .definition import get_definition
 from .errors import FanoutError
@@ -88,6 +88,7 @@ class RunActivity:
     expired: int = 0  # running, but the lease ran out: the owner is gone, claimable now
     live: int = 0  # running under a live lease
     last_claimed_at: datetime | None = None
+    claimable_since: datetime | None = None  # the longest-waiting claimable item's, if read
 
 
 def may_stall(run: BatchRun, activity: RunActivity, now: datetime) -> bool:
@@ -101,18 +102,35 @@ def may_stall(run: BatchRun, activity: RunActivity, now: datetime) -> bool:
     )
 
 
-def last_claims(run_ids: Iterable[int]) -> dict[int, datetime | None]:
-    """When each run last had an item claimed: one query, only for runs that may have stalled."""
+def last_claims(
+    run_ids: Iterable[int], now: datetime
+) -> dict[int, tuple[datetime | None, datetime | None]]:
+    """When each run last had an item claimed, and since when its longest-waiting claimable
+    item has been claimable (a pending item since it was due, a lost one since its lease ran
+    out): one query, only for runs that may have stalled."""
     ids = list(run_ids)
     if not ids:
         return {}
-    return dict(
+    claimable = Q(status=ItemStatus.PENDING, next_attempt_at__lte=now) | Q(
+        status=ItemStatus.RUNNING, lease_expires_at__lte=now
+    )
+    rows = (
         ItemClaim.objects.filter(run_id__in=ids)
         .values("run_id")
-        .annotate(last=Max("claimed_at"))
+        .annotate(
+            last=Max("claimed_at"),
+            since=Min(
+                Case(
+                    When(status=ItemStatus.PENDING, then=F("next_attempt_at")),
+                    default=F("lease_expires_at"),
+                ),
+                filter=claimable,
+            ),
+        )
         .order_by()
-        .values_list("run_id", "last")
+        .values_list("run_id", "last", "since")
     )
+    return {run_id: (last, since) for run_id, last, since in rows}
 
 
 def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
@@ -137,7 +155,10 @@ def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
 def _stalled(run: BatchRun, activity: RunActivity, now: datetime) -> str:
     known = (activity.last_claimed_at, run.started_at)
     since = max((t for t in known if t is not None), default=run.created_at)
-    if now - since < STALLED_AFTER:
+    # A stall is claimable items that nobody claims: items that became claimable a moment ago
+    # (a retry of failed items, a reopened run) have not stalled, however old the last claim.
+    waited = max(since, activity.claimable_since or since)
+    if now - waited < STALLED_AFTER:
         return ""
     idle = f"{STALLED} nothing running, no item claimed for {human_duration(now - since)}"
     try:
@@ -194,8 +215,8 @@ def why_items_wait(items: list[ItemClaim], now: datetime) -> dict[int, tuple[str
     # An item that is not held back is itself claimable: its run has one ready item at least.
     activity = {pk: RunActivity(ready=1, live=live.get(pk, 0)) for pk in runs}
     quiet = [pk for pk, a in activity.items() if may_stall(runs[pk], a, now)]
-    for pk, last in last_claims(quiet).items():
-        activity[pk].last_claimed_at = last
+    for pk, (last, since) in last_claims(quiet, now).items():
+        activity[pk].last_claimed_at, activity[pk].claimable_since = last, since
     why = {pk: why_run_waits(run, activity[pk], now) for pk, run in runs.items()}
     return {item.pk: _why_item_waits(item, now, states, why[item.run_id]) for item in items}
 

@@ -112,7 +112,8 @@ def make_run(
                 payload={"i": index},
                 pool=pool,
                 status=item_status,
-                next_attempt_at=now - timedelta(seconds=1),
+                # Written when the run started, and due since then.
+                next_attempt_at=now - timedelta(minutes=5),
             )
             if item_status in (ItemStatus.SUCCEEDED, ItemStatus.FAILED, ItemStatus.CANCELLED):
                 row.started_at = now - timedelta(seconds=30)

@@ -12,6 +12,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from fanout.recover import retry_failed
 from fanout.report import snapshot
 
 from .helpers import action, make_run, messages_of, page_action, statuses
@@ -477,6 +478,19 @@ def test_a_run_with_claimable_items_and_nothing_claimed_for_a_while_says_it_stal
     assert poll["why"] == why and poll["stalled"] is True
     assert cli.why == why
     assert "Why pending items wait: stalled: nothing running" in page.content.decode()
+
+
+def test_a_run_whose_failed_items_were_just_retried_is_not_said_to_have_stalled(admin_client):
+    run = make_run({"succeeded": 2, "failed": 3}, status=RunStatus.FAILED, executor="rq")
+    # Its items were last claimed minutes ago, before they failed and the run ended.
+    ItemClaim.objects.filter(run=run).update(claimed_at=timezone.now() - timedelta(minutes=5))
+    retry_failed(run)
+
+    progress = admin_client.get(change_url(run)).context["progress"]
+
+    # Claimable for a moment only: live workers take them within seconds.
+    assert progress.activity.ready == 3 and progress.activity.live == 0
+    assert not progress.why.startswith("stalled"), progress.why
 
 
 def test_a_run_whose_workers_died_holding_leases_says_it_stalled(admin_client):
