@@ -67,12 +67,29 @@ demo: $(DEMO_STAMP)
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py run_fanout thumbnails
 
+# `make test` runs the model of transitions and the fresh-project install beside the rest, in a
+# second pytest with a Redis database of its own (each pytest makes its own test database): they
+# are the longest tests and wait on the database more than on the CPU. With PYTEST_ARGS, one
+# pytest runs what they select.
+SIDE_TESTS := tests/test_model.py tests/test_install.py
+TEST_SIDE_REDIS_URL ?= redis://127.0.0.1:6379/10
+
 test: export DATABASE_URL ?= $(TEST_DATABASE_URL)
 test: export REDIS_URL ?= $(TEST_REDIS_URL)
 test: venv
 	scripts/services.sh
 	scripts/test-deps.sh
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@side_log=$$(mktemp); \
+	REDIS_URL=$(TEST_SIDE_REDIS_URL) $(PY) -m pytest -p no:cacheprovider $(SIDE_TESTS) \
+		> $$side_log 2>&1 & side=$$!; \
+	$(PY) -m pytest $(addprefix --ignore=,$(SIDE_TESTS)); rest=$$?; \
+	wait $$side; side_rc=$$?; \
+	echo "--- beside them: $(SIDE_TESTS)"; cat $$side_log; rm -f $$side_log; \
+	test $$rest -eq 0 && test $$side_rc -eq 0
+else
 	$(PY) -m pytest $(PYTEST_ARGS)
+endif
 
 test-mariadb: export DATABASE_URL = $(TEST_MYSQL_URL)
 test-mariadb: export REDIS_URL ?= $(TEST_REDIS_URL)
