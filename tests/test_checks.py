@@ -189,9 +189,13 @@ def test_pool_rows_that_differ_from_fanout_pools_are_warned_and_the_row_is_said_
     (problem,) = [m for m in check_pools() if m.id == "fanout.W007"]
 
     assert isinstance(problem, Warning)
-    assert problem.msg == settings_drift(payments) == (
-        "pool 'payments' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5), "
-        "rate 100/60s (burst 100) (FANOUT_POOLS: 50/1s (burst 50)); the pool's row wins"
+    assert (
+        problem.msg
+        == settings_drift(payments)
+        == (
+            "pool 'payments' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5), "
+            "rate 100/60s (burst 100) (FANOUT_POOLS: 50/1s (burst 50)); the pool's row wins"
+        )
     )
     assert problem.hint == (
         "run manage.py fanout_pools --sync to apply FANOUT_POOLS to the row, or change "
