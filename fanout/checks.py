@@ -66,6 +66,18 @@ def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 id="fanout.W001",
             )
         ]
+    from django.apps import apps
+
+    if not apps.is_installed("django_rq"):
+        # Dispatching works without it, so runs would be made that nothing ever drains.
+        return [
+            Warning(
+                "RQ_QUEUES is set but 'django_rq' is not in INSTALLED_APPS: there is no "
+                "manage.py rqworker command to drain --executor rq runs",
+                hint='add "django_rq" to INSTALLED_APPS',
+                id="fanout.W008",
+            )
+        ]
     try:
         import django_rq
         from redis.exceptions import RedisError
