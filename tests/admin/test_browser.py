@@ -539,7 +539,7 @@ def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at
         assert_seen_whole(counts.first, "/")
         # ...and why the running run waits, the limit that binds first, to its last word.
         why = page.locator("#result_list td.field-progress_bar .fanout-why")
-        assert_seen_whole(why.filter(has_text="allowed"), "no more workers free")
+        assert_seen_whole(why.filter(has_text="allowed"), "(--workers sets how many)")
 
         # The failed items: each error's class and message, and the worker that ran it.
         page.goto(f"{admin}/itemclaim/?run={failed.pk}&status=failed")

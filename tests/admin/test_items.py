@@ -154,7 +154,10 @@ def test_each_item_says_why_it_waits(admin_client):
     assert why[by_pool.pk] == "paused-api: pool paused"
     assert why[ready.pk] == "ready: the next free worker claims it"
     assert why[full.pk] == "run at max_parallel (4/4)"
-    assert why[short_of_workers.pk] == "1 running, up to 4 allowed: no more workers free"
+    assert why[short_of_workers.pk] == (
+        "1 running, up to 4 allowed: every thread of its run_fanout is busy "
+        "(--workers sets how many)"
+    )
     # Started five minutes ago, nothing claimed since, nothing running: nobody works on it.
     assert why[stalled.pk] == (
         "stalled: nothing running, no item claimed for 5m 00s; no live worker takes its drain "
