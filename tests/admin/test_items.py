@@ -11,6 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from fanout.admin import ItemClaimAdmin
+from fanout.admin.common import worker_name
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
 
@@ -451,3 +452,21 @@ def test_retrying_items_of_an_inline_run_without_rq_asks_first(admin_client, set
     )
     assert confirmed.status_code == 302
     assert statuses(run) == {"pending": 2}
+
+
+@pytest.mark.parametrize(
+    ("owner", "host", "thread"),
+    [
+        ("worker-7.eu-west-1.internal:48211:fanout-drain-3", "worker-7 · 48211", "fanout-drain-3"),
+        ("10.0.0.5:311:fanout-drain-1", "10.0.0.5 · 311", "fanout-drain-1"),
+        ("vm:3957:MainThread:inline-4", "vm · 3957", "MainThread · inline-4"),
+    ],
+)
+def test_a_worker_in_a_list_is_its_hosts_first_label_and_process_over_its_thread(
+    owner, host, thread
+):
+    shown = worker_name(owner, short=True)
+
+    assert f'title="{owner}"' in shown
+    assert f'<span class="fanout-host">{host}</span>' in shown
+    assert f'<span class="fanout-sub">{thread}</span>' in shown
