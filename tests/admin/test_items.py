@@ -387,8 +387,9 @@ def test_the_failed_item_list_shows_each_errors_short_class_and_its_message(admi
 
     assert ">PermanentError: card declined by the issuer</span>" in page
     assert "fanout.errors.PermanentError" not in page.split('title="')[-1]
-    # The worker wraps between its parts instead of being cut.
-    assert "worker-host-7.eu-west-1.internal:<wbr>48211:<wbr>fanout-drain-3" in page
+    # The worker: its host's first label and process over its thread, the whole in the tooltip.
+    assert '<span class="fanout-host">worker-host-7 · 48211</span>' in page
+    assert 'title="worker-host-7.eu-west-1.internal:48211:fanout-drain-3"' in page
 
 
 def test_only_a_pending_item_shows_when_its_next_attempt_may_start(admin_client):
