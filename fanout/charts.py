@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.core.cache import cache
 from django.db.models import (
     Avg,
     Case,
@@ -42,6 +43,7 @@ DURATION_EDGES = tuple(
 )
 PERCENTILES = (50, 95, 99)
 CHILDREN_SHOWN = 60
+CACHE_SECONDS = 3600
 ATTEMPTS_SHOWN = 10  # attempts above this are counted together
 
 
@@ -141,6 +143,22 @@ def run_charts(run: BatchRun, now: datetime) -> RunCharts:
         waits=_waits(run, axis),
         **_children(run),
     )
+
+
+def cached_run_charts(run: BatchRun, now: datetime) -> RunCharts:
+    """A run's charts; an ended run's are computed once per end and kept CACHE_SECONDS in
+    Django's default cache (a retry reopens the run and ends it again: a new key)."""
+    if not run.is_terminal or run.finished_at is None:
+        return run_charts(run, now)
+    ended = run.finished_at.timestamp()
+    key = (
+        f"fanout:run-charts:{run.pk}:{run.status}:{ended}:{run.reopened}:{run.item_counts is None}"
+    )
+    charts = cache.get(key)
+    if charts is None:
+        charts = run_charts(run, now)
+        cache.set(key, charts, CACHE_SECONDS)
+    return charts
 
 
 def _throughput(items: QuerySet[ItemClaim], axis: TimeAxis) -> tuple[list[int], list[int]]:

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from django.core.cache import cache
 from django.urls import reverse
 from django.utils import timezone
 
@@ -25,6 +26,7 @@ from fanout.charts import (
     MAX_BUCKETS,
     PERCENTILES,
     TimeAxis,
+    cached_run_charts,
     pool_charts,
     run_axis,
     run_charts,
@@ -140,6 +142,24 @@ def test_a_run_that_nothing_finished_yet_draws_empty_charts_in_fewer_queries(
 
     assert sum(charts.finished) == 0 and charts.percentiles == {} and charts.attempts == {}
     assert all(v is None for v in charts.waits["running"])
+
+
+def test_an_ended_runs_charts_are_computed_once_per_end(django_assert_num_queries: Any) -> None:
+    run = new_run()
+    finished_items(run, 20)
+    running = new_run(RunStatus.RUNNING)
+    cache.clear()
+
+    first = cached_run_charts(run, timezone.now())
+    with django_assert_num_queries(0):
+        again = cached_run_charts(run, timezone.now())
+    with django_assert_num_queries(RUN_CHART_QUERIES - len(PERCENTILES)):
+        cached_run_charts(running, timezone.now())  # a live run's are always read anew
+    run.reopened += 1  # retried and ended again: its items changed
+    with django_assert_num_queries(RUN_CHART_QUERIES):
+        cached_run_charts(run, timezone.now())
+
+    assert again == first
 
 
 def test_a_time_axis_has_at_most_sixty_buckets_of_a_round_step() -> None:

@@ -14,8 +14,8 @@ from ..charts import (
     PoolCharts,
     RunCharts,
     TimeAxis,
+    cached_run_charts,
     pool_charts,
-    run_charts,
 )
 from ..models import BatchRun, CapacityPool
 from ..sample import WAITS
@@ -47,7 +47,7 @@ def _slot_names(axis: TimeAxis) -> list[str]:
 
 def run_panels(run: BatchRun, now: datetime) -> list[dict[str, Any]]:
     """The run page's charts, each a panel: title, svg, legend, a line of figures."""
-    charts = run_charts(run, now)
+    charts = cached_run_charts(run, now)
     panels = [_throughput(charts), _durations(charts), _attempts(charts), _waits(charts)]
     if charts.children:
         panels.append(_children(run, charts))
