@@ -1958,7 +1958,7 @@ def chart_items_insert(n: int) -> str:
         "x.f - x.d, x.f - x.d, x.f "
         "FROM generate_series(0, %(last)s) g, LATERAL (SELECT "
         f"%(start)s::timestamptz + make_interval(secs => g::float8 * {CHART_LIFE} / %(n)s) AS f, "
-        "make_interval(secs => 0.001 * power(10, (g * 7919 %% 1000) / 200.0)) AS d) x"
+        "make_interval(secs => 0.001 * power(10, (g::bigint * 7919 %% 1000) / 200.0)) AS d) x"
     )
 
 
@@ -2023,6 +2023,18 @@ def timed_page(client: Any, url: str) -> dict[str, Any]:
     return {"seconds": seconds, "queries": len(captured), "slowest_query_s": slowest}
 
 
+def timed_count(run_id: int) -> dict[str, Any]:
+    """The floor of any page that reads every item: a bare count of the run's items."""
+    from django.db import connection
+
+    t0 = time.perf_counter()
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM fanout_itemclaim WHERE run_id = %s", [run_id])
+        cur.fetchone()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "queries": 1, "slowest_query_s": seconds}
+
+
 def phase_charts(cfg: argparse.Namespace) -> dict[str, Any]:
     """Time the run page (its charts cold, then cached) and the pool page at cfg.chart_items
     finished items, best of the repeats: the charts read them with SQL aggregates."""
@@ -2044,15 +2056,23 @@ def phase_charts(cfg: argparse.Namespace) -> dict[str, Any]:
     run_url = reverse("admin:fanout_batchrun_change", args=[run_id])
     pool_url = reverse("admin:fanout_capacitypool_change", args=[pool_id])
     client.get(pool_url)  # the session, templates and the tables' pages warmed alike
-    found: dict[str, list[dict[str, Any]]] = {"run_cold": [], "run_cached": [], "pool": []}
+    found: dict[str, list[dict[str, Any]]] = {
+        "run_cold": [],
+        "run_cached": [],
+        "pool": [],
+        "count": [],
+    }
     for r in range(cfg.repeats):
+        found["count"].append(timed_count(run_id))
         cache.clear()
         found["run_cold"].append(timed_page(client, run_url))
         found["run_cached"].append(timed_page(client, run_url))
         found["pool"].append(timed_page(client, pool_url))
         log(
-            "  #{} run page {:.3f} s cold ({} queries), {:.3f} s cached; pool page {:.3f} s".format(
+            "  #{} count(*) {:.3f} s; run page {:.3f} s cold ({} queries), {:.3f} s cached; "
+            "pool page {:.3f} s".format(
                 r + 1,
+                found["count"][-1]["seconds"],
                 found["run_cold"][-1]["seconds"],
                 found["run_cold"][-1]["queries"],
                 found["run_cached"][-1]["seconds"],
@@ -2060,7 +2080,15 @@ def phase_charts(cfg: argparse.Namespace) -> dict[str, Any]:
             )
         )
     reset_tables()
-    out: dict[str, Any] = {"items": n}
+    out: dict[str, Any] = {
+        "items": n,
+        "cold_to_count": stats(
+            [
+                cold["seconds"] / count["seconds"]
+                for cold, count in zip(found["run_cold"], found["count"], strict=True)
+            ]
+        ),
+    }
     for page, runs in found.items():
         out[page] = {
             "seconds": stats([x["seconds"] for x in runs]),
@@ -2080,12 +2108,23 @@ def report_charts(res: dict[str, Any]) -> list[str]:
         f"{'page':>24}{'seconds':>9}{'min–max':>16}{'queries':>9}{'slowest query':>15}",
     ]
     s3 = lambda x: f"{x:.3f}"  # noqa: E731
-    names = {"run_cold": "run page, cold", "run_cached": "run page, cached", "pool": "pool page"}
+    names = {
+        "count": "count(*) of its items",
+        "run_cold": "run page, cold",
+        "run_cached": "run page, cached",
+        "pool": "pool page",
+    }
     for key, name in names.items():
         v = ch[key]
         lines.append(
             f"{name:>24}{v['seconds']['median']:>9.3f}{fmt_span(v['seconds'], s3):>16}"
             f"{v['queries']:>9}{v['slowest_query_s']['median']:>15.3f}"
+        )
+    ratios = ch.get("cold_to_count")
+    if ratios and ratios["median"] is not None:
+        lines.append(
+            f"run page cold / count(*) of its items, per repeat: {ratios['median']:.2f} "
+            f"({fmt_span(ratios, lambda x: f'{x:.2f}')})"
         )
     return lines
 

@@ -9,8 +9,10 @@ a page costs the same few queries for a run of a hundred items and of a million.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import accumulate
 from typing import Any
 
 from django.core.cache import cache
@@ -26,8 +28,11 @@ from django.db.models import (
     QuerySet,
     Value,
     When,
+    Window,
 )
+from django.db.models.functions import RowNumber
 
+from .backends import backend
 from .models import BatchRun, ItemClaim, ItemStatus, RunSample
 from .sample import WAITS
 
@@ -128,20 +133,73 @@ def run_axis(run: BatchRun, now: datetime) -> TimeAxis:
 
 
 def run_charts(run: BatchRun, now: datetime) -> RunCharts:
-    """The run page's charts, in eight queries whatever the run's size."""
+    """The run page's charts in four queries whatever the run's size: one pass over its
+    items, one over the few durations that the percentiles fall among, its samples, and its
+    child runs."""
+    with backend().aggregating():
+        return _run_charts(run, now)
+
+
+def _run_charts(run: BatchRun, now: datetime) -> RunCharts:
     axis = run_axis(run, now)
     items = ItemClaim.objects.filter(run_id=run.pk)
-    finished, failed = _throughput(items, axis)
-    durations = _duration_histogram(items)
+    finished, failed = [0] * axis.count, [0] * axis.count
+    durations = [0] * (len(DURATION_EDGES) + 1)
+    attempts: Counter[int] = Counter()
+    for b, lost, d, a, n in _one_pass(items, axis):
+        if b >= 0:
+            finished[b] += n
+            failed[b] += n * lost
+        if d >= 0:
+            durations[d] += n
+        if a > 0:
+            attempts[a] += n
     return RunCharts(
         axis=axis,
         finished=finished,
         failed=failed,
         durations=durations,
         percentiles=_percentiles(items, durations),
-        attempts=_attempts(items),
+        attempts=dict(sorted(attempts.items())),
         waits=_waits(run, axis),
         **_children(run),
+    )
+
+
+def _or_none(when: Q, then: Any) -> Case:
+    """``then`` where ``when`` holds, else -1 (a row that this series does not count)."""
+    return Case(When(when, then=then), default=Value(-1), output_field=IntegerField())
+
+
+def _one_pass(items: QuerySet[ItemClaim], axis: TimeAxis) -> list[tuple[int, int, int, int, int]]:
+    """Every started or finished item counted once, grouped by (its finish's bucket of the
+    axis, failed, its duration's bucket, its attempts): a few thousand groups at most, which
+    the caller sums into the throughput, the duration histogram and the attempts."""
+    finished = Q(finished_at__isnull=False)
+    started = Q(started_at__isnull=False)
+    capped = Case(
+        When(attempt__gt=ATTEMPTS_SHOWN, then=Value(ATTEMPTS_SHOWN)),
+        default=F("attempt"),
+        output_field=IntegerField(),
+    )
+    took = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
+    return list(
+        items.filter(started | finished)
+        .annotate(took=took)
+        .annotate(
+            b=_or_none(finished, bucket_of("finished_at", axis.inner_edges())),
+            lost=Case(
+                When(status=ItemStatus.FAILED, then=Value(1)),
+                default=Value(0),
+                output_field=IntegerField(),
+            ),
+            d=_or_none(started & finished, bucket_of("took", DURATION_EDGES)),
+            a=_or_none(started, capped),
+        )
+        .values("b", "lost", "d", "a")
+        .annotate(n=Count("pk"))
+        .order_by()
+        .values_list("b", "lost", "d", "a", "n")
     )
 
 
@@ -161,54 +219,28 @@ def cached_run_charts(run: BatchRun, now: datetime) -> RunCharts:
     return charts
 
 
-def _throughput(items: QuerySet[ItemClaim], axis: TimeAxis) -> tuple[list[int], list[int]]:
-    finished, failed = [0] * axis.count, [0] * axis.count
-    rows = (
-        items.filter(finished_at__isnull=False)
-        .annotate(b=bucket_of("finished_at", axis.inner_edges()))
-        .values("b")
-        .annotate(n=Count("pk"), f=Count("pk", filter=Q(status=ItemStatus.FAILED)))
-        .order_by()
-        .values_list("b", "n", "f")
-    )
-    for b, n, f in rows:
-        finished[b], failed[b] = n, f
-    return finished, failed
-
-
-def _duration_histogram(items: QuerySet[ItemClaim]) -> list[int]:
-    counts = [0] * (len(DURATION_EDGES) + 1)
-    rows = (
-        _durations(items)
-        .annotate(b=bucket_of("took", DURATION_EDGES))
-        .values("b")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("b", "n")
-    )
-    for b, n in rows:
-        counts[b] = n
-    return counts
-
-
 def _percentiles(items: QuerySet[ItemClaim], histogram: list[int]) -> dict[int, timedelta]:
     """The nearest-rank percentiles, exact: the histogram says which bucket holds each rank,
-    and one query per percentile sorts only that bucket's durations."""
+    and one query numbers the durations of those buckets alone, in order."""
     total = sum(histogram)
-    found: dict[int, timedelta] = {}
     if not total:
-        return found
+        return {}
+    wanted: dict[int, tuple[int, int]] = {}  # percentile: (bucket, rank within it, 1-based)
     for p in PERCENTILES:
-        rank = max(1, math.ceil(total * p / 100))  # 1-based
+        rank = max(1, math.ceil(total * p / 100))
         b, below = _bucket_of_rank(histogram, rank)
-        bucket = _durations(items)
-        if b > 0:
-            bucket = bucket.filter(took__gte=DURATION_EDGES[b - 1])
-        if b < len(DURATION_EDGES):
-            bucket = bucket.filter(took__lt=DURATION_EDGES[b])
-        took = bucket.order_by("took").values_list("took", flat=True)[rank - below - 1]
-        found[p] = took
-    return found
+        wanted[p] = (b, rank - below)
+    buckets = sorted({b for b, _ in wanted.values()})
+    ranked = (
+        _durations(items)
+        .annotate(d=bucket_of("took", DURATION_EDGES))
+        .filter(d__in=buckets)
+        .annotate(r=Window(RowNumber(), partition_by=[F("d")], order_by=[F("took").asc(), F("pk")]))
+        .filter(r__in=sorted({r for _, r in wanted.values()}))
+        .values_list("d", "r", "took")
+    )
+    found = {(d, r): took for d, r, took in ranked}
+    return {p: found[where] for p, where in wanted.items()}
 
 
 def _bucket_of_rank(histogram: list[int], rank: int) -> tuple[int, int]:
@@ -219,23 +251,6 @@ def _bucket_of_rank(histogram: list[int], rank: int) -> tuple[int, int]:
             return b, below
         below += n
     raise ValueError(f"rank {rank} is past the histogram's {below} values")
-
-
-def _attempts(items: QuerySet[ItemClaim]) -> dict[int, int]:
-    capped = Case(
-        When(attempt__gt=ATTEMPTS_SHOWN, then=Value(ATTEMPTS_SHOWN)),
-        default=F("attempt"),
-        output_field=IntegerField(),
-    )
-    rows = (
-        items.filter(started_at__isnull=False)
-        .annotate(a=capped)
-        .values("a")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("a", "n")
-    )
-    return dict(sorted(rows))
 
 
 def _waits(run: BatchRun, axis: TimeAxis) -> dict[str, list[float | None]]:
@@ -282,33 +297,41 @@ class PoolCharts:
 
 
 def pool_charts(name: str, now: datetime) -> PoolCharts:
-    """The pool page's last hour, in two queries whatever the pool's size."""
+    """The pool page's last hour in one pass over the items that were claimed in it or held
+    a slot in it, grouped by (the bucket of their claim, of their end, whether they held a
+    slot): admissions are the claims per bucket, and the items in flight at the end of a
+    bucket those claimed before it and not yet ended."""
     axis = TimeAxis.over(now - POOL_WINDOW, now)
-    items = ItemClaim.objects.filter(pool=name)
-    admitted = [0] * axis.count
-    rows = (
-        items.filter(claimed_at__gte=axis.start, claimed_at__lte=now)
-        .annotate(b=bucket_of("claimed_at", axis.inner_edges()))
-        .values("b")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("b", "n")
-    )
-    for b, n in rows:
-        admitted[b] = n
-    # In flight at the end of each bucket: claimed by then and not finished by then.
-    ends = [t + axis.step for t in axis.times()]
-    ends[-1] = now
-    unfinished = Q(finished_at__isnull=True, status=ItemStatus.RUNNING)
-    live = items.filter(claimed_at__lte=now).filter(unfinished | Q(finished_at__gte=axis.start))
-    held = live.aggregate(
-        **{
-            f"t{i}": Count(
-                "pk",
-                filter=Q(claimed_at__lte=t) & (unfinished | Q(finished_at__gt=t)),
+    edges = [axis.start, *axis.inner_edges()]  # bucket 0: before the hour; i + 1: bucket i
+    running = Q(finished_at__isnull=True, status=ItemStatus.RUNNING)
+    with backend().aggregating():
+        rows = list(
+            ItemClaim.objects.filter(pool=name, claimed_at__lte=now)
+            .filter(Q(claimed_at__gte=axis.start) | Q(finished_at__gte=axis.start) | running)
+            .annotate(
+                c=bucket_of("claimed_at", edges),
+                f=_or_none(Q(finished_at__isnull=False), bucket_of("finished_at", edges)),
+                held=Case(
+                    When(Q(finished_at__isnull=False) | running, then=Value(1)),
+                    default=Value(0),
+                    output_field=IntegerField(),
+                ),
             )
-            for i, t in enumerate(ends)
-        }
-    )
-    in_flight = [held[f"t{i}"] for i in range(len(ends))]
+            .values("c", "f", "held")
+            .annotate(n=Count("pk"))
+            .order_by()
+            .values_list("c", "f", "held", "n")
+        )
+    admitted = [0] * axis.count
+    claimed, ended = [0] * (axis.count + 1), [0] * (axis.count + 1)
+    for c, f, held, n in rows:
+        if c > 0:
+            admitted[c - 1] += n
+        if held:  # a pending item, released or retried, holds no slot: not in flight
+            claimed[c] += n
+            if f >= 0:
+                ended[f] += n
+    # By the end of bucket i: claimed in buckets 0..i + 1, less ended in them.
+    started, stopped = list(accumulate(claimed)), list(accumulate(ended))
+    in_flight = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
     return PoolCharts(axis, in_flight, admitted)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from django.core.cache import cache
+from django.db import connection
 from django.urls import reverse
 from django.utils import timezone
 
@@ -38,10 +39,12 @@ from fanout.supervise import tend
 
 pytestmark = pytest.mark.django_db
 
-# What run_charts costs: throughput, the duration histogram, one query per percentile,
-# attempts, the wait samples and the child runs.
-RUN_CHART_QUERIES = 5 + len(PERCENTILES)
-POOL_CHART_QUERIES = 2
+# What run_charts costs: one pass over the items (throughput, durations, attempts), one over
+# the durations the percentiles fall among, the wait samples and the child runs.
+# On PostgreSQL one statement more plans them (fanout.backends: no JIT, hash aggregates).
+PLAN = 1 if connection.vendor == "postgresql" else 0
+RUN_CHART_QUERIES = 4 + PLAN
+POOL_CHART_QUERIES = 1 + PLAN
 
 
 def whole(t: datetime) -> datetime:
@@ -137,7 +140,7 @@ def test_a_run_that_nothing_finished_yet_draws_empty_charts_in_fewer_queries(
     run = new_run(RunStatus.RUNNING, minutes=minutes)
     ItemClaim.objects.create(run=run, key="a", index=0, status=ItemStatus.PENDING)
 
-    with django_assert_num_queries(RUN_CHART_QUERIES - len(PERCENTILES)):
+    with django_assert_num_queries(RUN_CHART_QUERIES - 1):
         charts = run_charts(run, timezone.now())
 
     assert sum(charts.finished) == 0 and charts.percentiles == {} and charts.attempts == {}
@@ -153,7 +156,7 @@ def test_an_ended_runs_charts_are_computed_once_per_end(django_assert_num_querie
     first = cached_run_charts(run, timezone.now())
     with django_assert_num_queries(0):
         again = cached_run_charts(run, timezone.now())
-    with django_assert_num_queries(RUN_CHART_QUERIES - len(PERCENTILES)):
+    with django_assert_num_queries(RUN_CHART_QUERIES - 1):
         cached_run_charts(running, timezone.now())  # a live run's are always read anew
     run.reopened += 1  # retried and ended again: its items changed
     with django_assert_num_queries(RUN_CHART_QUERIES):
@@ -316,7 +319,7 @@ def test_a_trees_child_runs_are_listed_first_started_first() -> None:
     assert {c["definition"] for c in children} == {"charts-child"}
 
 
-def test_a_pools_last_hour_matches_its_rows_in_two_queries(
+def test_a_pools_last_hour_matches_its_rows_in_one_query(
     django_assert_num_queries: Any,
 ) -> None:
     now = whole(timezone.now())
@@ -362,7 +365,7 @@ def test_a_pools_last_hour_matches_its_rows_in_two_queries(
     ends = [t + axis.step for t in axis.times()]
     ends[-1] = now
     assert charts.in_flight == [
-        sum(1 for r in rows if r.claimed_at <= t and (r.finished_at is None or r.finished_at > t))
+        sum(1 for r in rows if r.claimed_at < t and (r.finished_at is None or r.finished_at >= t))
         for t in ends
     ]
 

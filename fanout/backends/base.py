@@ -51,6 +51,11 @@ class Backend:
         """Plan the claim's picks so that they walk the claim index in work-list order."""
         yield
 
+    @contextlib.contextmanager
+    def aggregating(self) -> Iterator[None]:
+        """Plan the block's large aggregates (the admin's charts) for one pass over many rows."""
+        yield
+
     @property
     def hands_over(self) -> bool:
         """Whether a finished item can hand its slot on in one statement here."""

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Field, Model
 
 from .base import Backend, HandOverRow
@@ -47,6 +47,19 @@ class PostgreSQL(Backend):
         finally:
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL enable_sort = on")
+
+    @contextlib.contextmanager
+    def aggregating(self) -> Iterator[None]:
+        # A chart's bucket is a CASE nested six deep: at a million rows the planner's cost
+        # calls for JIT, whose compiling took seconds, three times the query itself. A larger
+        # work_mem lets it hash its few thousand groups instead of sorting every row on disk.
+        # Inside an outer transaction (an admin page's) both last until it ends: reads only,
+        # and no savepoint is needed.
+        outer = contextlib.nullcontext() if connection.in_atomic_block else transaction.atomic()
+        with outer:
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL jit = off; SET LOCAL work_mem = '64MB'")
+            yield
 
     @property
     def hands_over(self) -> bool:
