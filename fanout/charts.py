@@ -55,6 +55,9 @@ ATTEMPTS_SHOWN = 10  # attempts above this are counted together
 def bucket_of(name: str, edges: list[Any] | tuple[Any, ...]) -> Any:
     """An expression giving the index i of the bucket [edges[i-1], edges[i]) that ``name``
     falls in: 0 below edges[0], len(edges) at or above the last edge."""
+    fast = backend().bucket(F(name), edges)
+    if fast is not None:
+        return fast
 
     def search(lo: int, hi: int) -> Any:
         if lo == hi:
