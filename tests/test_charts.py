@@ -56,8 +56,8 @@ def new_run(status: str = RunStatus.SUCCEEDED, minutes: float = 10, **fields: An
     now = whole(timezone.now())
     started = now - timedelta(minutes=minutes)
     return BatchRun.objects.create(
-        definition="charts",
-        run_key=f"charts:{uuid.uuid4().hex}",
+        definition=fields.pop("definition", "charts"),
+        run_key=fields.pop("run_key", f"charts:{uuid.uuid4().hex}"),
         status=status,
         max_parallel=fields.pop("max_parallel", 8),
         failure_policy="collect",

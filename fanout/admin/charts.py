@@ -115,7 +115,7 @@ def _attempts(c: RunCharts) -> dict[str, Any]:
         f"{a}{'+' if a == ATTEMPTS_SHOWN else ''} attempt{'s' if a > 1 else ''}" for a in shown
     ]
     series = [svg.Series("items", "attempts", [c.attempts.get(a, 0) for a in shown])]
-    ticks = [(i, str(a)) for i, a in enumerate(shown)]
+    ticks = [(i + 0.5, f"{a}{'+' if a == ATTEMPTS_SHOWN else ''}") for i, a in enumerate(shown)]
     more = sum(n for a, n in c.attempts.items() if a > 1)
     return {
         "name": "attempts",

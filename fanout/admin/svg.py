@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
-WIDTH, HEIGHT = 600, 150
-LEFT, RIGHT, TOP, BOTTOM = 44, 8, 8, 20
+WIDTH, HEIGHT = 600, 160
+# Room for the axis labels, in the viewBox's units: 15 of them read as 9 px on a phone.
+LEFT, RIGHT, TOP, BOTTOM = 50, 10, 10, 26
 
 
 @dataclass
@@ -37,7 +38,7 @@ def _frame(
     label: str,
     ymax: float,
     unit: str,
-    ticks: Sequence[tuple[int, str]],
+    ticks: Sequence[tuple[float, str]],
     slots: int,
     height: int = HEIGHT,
 ) -> SafeString:
@@ -62,7 +63,7 @@ def _frame(
         format_html(
             '<text class="fanout-chart-label" x="{}" y="{}" text-anchor="end">{}</text>',
             LEFT - 4,
-            TOP + 4,
+            TOP + 10,
             f"{number(ymax)}{unit}",
         ),
         format_html(
@@ -97,7 +98,7 @@ def _frame(
 def bars(
     series: Sequence[Series],
     label: str,
-    ticks: Sequence[tuple[int, str]],
+    ticks: Sequence[tuple[float, str]],
     unit: str = "",
     slot_names: Sequence[str] = (),
     limit: float | None = None,
@@ -160,10 +161,10 @@ class Span:
 
 
 def spans(
-    rows: Sequence[Span], label: str, total: float, ticks: Sequence[tuple[int, str]], slots: int
+    rows: Sequence[Span], label: str, total: float, ticks: Sequence[tuple[float, str]], slots: int
 ) -> SafeString:
     """One horizontal bar per row, from its start to its end, on a shared time axis."""
-    row_h = 12
+    row_h = 16
     height = TOP + BOTTOM + row_h * max(len(rows), 1)
     plot_w = WIDTH - LEFT - RIGHT
     total = total or 1.0
@@ -186,7 +187,7 @@ def spans(
 
 
 def _frame_spans(
-    body: str, label: str, ticks: Sequence[tuple[int, str]], slots: int, height: int
+    body: str, label: str, ticks: Sequence[tuple[float, str]], slots: int, height: int
 ) -> SafeString:
     plot_w = WIDTH - LEFT - RIGHT
     bottom = height - BOTTOM
