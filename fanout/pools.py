@@ -192,6 +192,5 @@ def settings_drift(pool: CapacityPool) -> str:
     if not differs:
         return ""
     return (
-        f"pool {pool.name!r} differs from FANOUT_POOLS: {', '.join(differs)}; "
-        "the pool's row wins"
+        f"pool {pool.name!r} differs from FANOUT_POOLS: {', '.join(differs)}; the pool's row wins"
     )

@@ -88,9 +88,7 @@ def _adjust(runs: Counter[int], pools: Counter[str], sign: int) -> None:
     for run_id in sorted(r for r, count in runs.items() if count):
         BatchRun.objects.filter(pk=run_id).update(in_flight=F("in_flight") + sign * runs[run_id])
     for name in sorted(n for n, count in pools.items() if n and count):
-        CapacityPool.objects.filter(name=name).update(
-            in_flight=F("in_flight") + sign * pools[name]
-        )
+        CapacityPool.objects.filter(name=name).update(in_flight=F("in_flight") + sign * pools[name])
 
 
 def _counts(run_id: int, rows: Sequence[dict]) -> tuple[Counter[int], Counter[str]]:
@@ -417,9 +415,7 @@ def _update_from_values(rows: list[ItemClaim], fields: list[str], varying: list[
 # --- pending items that nobody holds ------------------------------------------------------
 
 
-def cancel_pending(
-    items: QuerySet[ItemClaim], reason: str, error_class: str = "Cancelled"
-) -> int:
+def cancel_pending(items: QuerySet[ItemClaim], reason: str, error_class: str = "Cancelled") -> int:
     """Pending items are cancelled; they hold no slot."""
     return items.filter(status=ItemStatus.PENDING).update(
         status=ItemStatus.CANCELLED, finished_at=DbNow(), error=reason, error_class=error_class
@@ -529,4 +525,3 @@ def hand_over(
 
 def _loads(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
-
