@@ -2129,6 +2129,123 @@ def report_charts(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------- 9. retention beside a live run
+
+
+def claim_loop(samples: int, warmup: int = 20) -> dict[str, Any]:
+    """A per-item run drained by one claimer: claim one item, record it, ``samples`` times;
+    its items per second (claim and record) and its claim latencies."""
+    from fanout.claim import claim
+    from fanout.definition import get_definition
+    from fanout.dispatch import prepare_run
+    from fanout.record import SUCCEEDED, ExecutionOutcome, record
+
+    definition = get_definition("bench.noop_each")
+    run = prepare_run(definition, {"n": samples + warmup}, run_key("retention"))
+    times = []
+    started = 0.0
+    for i in range(samples + warmup):
+        if i == warmup:
+            started = time.perf_counter()
+        t0 = time.perf_counter()
+        res = claim(run.pk, "bench-claimer", 1, 30.0, 3, None)
+        dt = time.perf_counter() - t0
+        if len(res.items) != 1:
+            raise RuntimeError(f"claim {i} got {len(res.items)} items: {res.reason}")
+        item = res.items[0]
+        record(run.pk, res.token, [ExecutionOutcome(item.pk, item.key, SUCCEEDED)], "collect")
+        if i >= warmup:
+            times.append(dt)
+    return {"times": times, "seconds": time.perf_counter() - started}
+
+
+def claims_summary(loops: list[dict[str, Any]]) -> dict[str, Any]:
+    times = [t for loop in loops for t in loop["times"]]
+    seconds = sum(loop["seconds"] for loop in loops)
+    return {
+        "claims": len(times),
+        "items_per_s": len(times) / seconds,
+        "median_ms": statistics.median(times) * 1000,
+        "p99_ms": percentile(times, 99) * 1000,
+    }
+
+
+def prune_beside(cfg: argparse.Namespace, batch: int, logdir: Path) -> dict[str, Any]:
+    """Fill cfg.retention_rows finished item rows, then prune them with ``manage.py
+    fanout_prune`` in a subprocess while the claim loop drains a run beside it."""
+    add_terminal_rows(cfg.retention_rows)
+    log_path = logdir / f"prune-{batch}.log"
+    cmd = [sys.executable, "manage.py", "fanout_prune", "--older-than", "0s", "--batch", str(batch)]
+    cmd += ["--json"]
+    t0 = time.monotonic()
+    proc = spawn(cmd, log_path)
+    loops = []
+    try:
+        while proc.poll() is None:
+            loops.append(claim_loop(cfg.retention_chunk, warmup=2))
+        proc.wait()
+    finally:
+        _stop_process(proc)
+        if proc in _children:
+            _children.remove(proc)
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0 or not loops:
+        raise RuntimeError(f"fanout_prune exited {proc.returncode}: {log_path.read_text()[-800:]}")
+    report = json.loads(log_path.read_text().strip().splitlines()[-1])
+    return {
+        "batch": batch,
+        "rows": report["items"],
+        "prune_s": seconds,
+        "rows_per_s": report["items"] / seconds,
+        **claims_summary(loops),
+    }
+
+
+def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """A prune of cfg.retention_rows finished item rows beside a per-item run: its rows per
+    second, and the run's throughput and claim p99 against the same loop with no prune
+    beside it, measured just before and just after (the load of a shared machine drifts)."""
+    reset_tables()
+    out: dict[str, Any] = {"rows": cfg.retention_rows, "pruned": []}
+    alone = [claim_loop(cfg.retention_alone)]
+    for batch in cfg.retention_batches:
+        beside = retry_db("retention", partial(prune_beside, cfg, batch, logdir))
+        alone.append(claim_loop(cfg.retention_alone))
+        base = claims_summary(alone[-2:])
+        beside["p99_ratio"] = beside["p99_ms"] / base["p99_ms"]
+        beside["throughput_ratio"] = base["items_per_s"] / beside["items_per_s"]
+        beside["alone"] = base
+        out["pruned"].append(beside)
+        log(
+            f"  batch {batch}: {beside['rows']:,} rows in {beside['prune_s']:.1f} s = "
+            f"{beside['rows_per_s']:,.0f} rows/s; beside it {beside['items_per_s']:,.0f} "
+            f"items/s, claim p99 {beside['p99_ms']:.2f} ms; alone {base['items_per_s']:,.0f} "
+            f"items/s, p99 {base['p99_ms']:.2f} ms (p99 x{beside['p99_ratio']:.2f}, "
+            f"throughput /{beside['throughput_ratio']:.2f})"
+        )
+    reset_tables()
+    return out
+
+
+def report_retention(res: dict[str, Any]) -> list[str]:
+    rt = res.get("retention", {})
+    if not rt:
+        return []
+    lines = [
+        f"9. fanout_prune of {rt['rows']:,} finished item rows beside a per-item run "
+        "(one claimer), against the same run alone just before and after",
+        f"{'batch':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}{'claim p99 beside':>18}"
+        f"{'alone':>8}{'p99 ratio':>11}{'slowdown':>10}",
+    ]
+    for v in rt["pruned"]:
+        lines.append(
+            f"{v['batch']:>7,}{v['rows_per_s']:>10,.0f}{v['items_per_s']:>16,.0f}"
+            f"{v['alone']['items_per_s']:>8,.0f}{v['p99_ms']:>16.2f}ms"
+            f"{v['alone']['p99_ms']:>6.2f}ms{v['p99_ratio']:>11.2f}{v['throughput_ratio']:>10.2f}"
+        )
+    return lines
+
+
 # ------------------------------------------------------------------------------ the report
 
 
@@ -2704,6 +2821,7 @@ def print_report(res: dict[str, Any]) -> None:
         report_scheduling(res),
         report_consecutive(res),
         report_charts(res),
+        report_retention(res),
         report_targets(res),
         report_mariadb(res),
     ]
@@ -2742,6 +2860,7 @@ PHASES = (
     "scheduling",
     "consecutive",
     "charts",
+    "retention",
 )
 
 
@@ -2811,6 +2930,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="finished items of the run whose admin pages the charts phase times "
         "(default 1,000,000; quick 20,000)",
     )
+    p.add_argument(
+        "--retention-rows",
+        type=int,
+        default=None,
+        help="finished item rows the retention phase prunes beside a live run "
+        "(default 1,000,000; quick 20,000)",
+    )
+    p.add_argument(
+        "--retention-batches",
+        metavar="N,N",
+        default=None,
+        help="fanout_prune --batch sizes the retention phase tries, one prune each "
+        "(default 2000,500)",
+    )
     p.add_argument("--child-materialize", type=int, help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
     quick = cfg.quick
@@ -2841,6 +2974,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cfg.consecutive_items = 2_000 if quick else 10_000
     cfg.consecutive_runs = 3 if quick else 5
     cfg.chart_items = cfg.chart_items or (20_000 if quick else 1_000_000)
+    cfg.retention_rows = cfg.retention_rows or (20_000 if quick else 1_000_000)
+    cfg.retention_batches = sizes(cfg.retention_batches or "2000,500")
+    cfg.retention_chunk = 100  # claims per loop beside the prune: it checks the prune between
+    cfg.retention_alone = 200 if quick else 1000
     cfg.phases = [x.strip() for x in cfg.only.split(",") if x.strip()]
     unknown = set(cfg.phases) - set(PHASES)
     if unknown:
@@ -2881,6 +3018,10 @@ def mariadb_pass(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
         sizes(cfg.claim_levels),
         "--chart-items",
         str(cfg.chart_items),
+        "--retention-rows",
+        str(cfg.retention_rows),
+        "--retention-batches",
+        sizes(cfg.retention_batches),
         *(["--quick"] if cfg.quick else []),
     ]
     # The URL goes by the environment, where a password is not shown to other users.
@@ -2974,6 +3115,7 @@ def main(argv: list[str] | None = None) -> int:
         "scheduling": lambda: phase_scheduling(cfg, logdir),
         "consecutive": lambda: phase_consecutive(cfg, logdir),
         "charts": lambda: phase_charts(cfg),
+        "retention": lambda: phase_retention(cfg, logdir),
     }
     digest = res["machine"]["fanout_code_digest"] = code_digest()
     interrupted = False
