@@ -1923,6 +1923,329 @@ def report_consecutive(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------- 8. the admin's charts
+
+CHART_LIFE = 3000  # seconds: the run ends now and began 50 minutes ago, so the pool's hour has it
+CHART_POOL = "bench-charts"
+
+
+def chart_items_insert(n: int) -> str:
+    """``INSERT … SELECT`` of n finished items of one run over CHART_LIFE seconds up to now:
+    a tenth failed, one in seven on a second attempt, handler durations from 1 ms to 100 s."""
+    from django.db import connection
+
+    names = (
+        "run_id key index pool status owner attempt crashes next_attempt_at error error_class "
+        "claimed_at started_at finished_at"
+    )
+    columns = ", ".join(connection.ops.quote_name(c) for c in names.split())
+    head = f"INSERT INTO fanout_itemclaim ({columns}) "
+    if is_mariadb():
+        took = "FLOOR(1000 * POW(10, (g.seq * 7919 %% 1000) / 200.0))"
+        ended = f"TIMESTAMPADD(MICROSECOND, FLOOR(g.seq * {CHART_LIFE}e6 / {n}), %(start)s)"
+        return (
+            f"{head}SELECT %(run)s, CAST(g.seq AS CHAR), g.seq, %(pool)s, "
+            "IF(g.seq %% 10 = 3, 'failed', 'succeeded'), 'bench', "
+            "1 + (g.seq %% 7 = 0) + (g.seq %% 31 = 0), 0, %(start)s, '', '', "
+            f"TIMESTAMPADD(MICROSECOND, -{took}, {ended}), "
+            f"TIMESTAMPADD(MICROSECOND, -{took}, {ended}), {ended} "
+            f"FROM seq_0_to_{n - 1} g"
+        )
+    return (
+        f"{head}SELECT %(run)s, g::text, g, %(pool)s, "
+        "CASE WHEN g %% 10 = 3 THEN 'failed' ELSE 'succeeded' END, 'bench', "
+        "1 + (g %% 7 = 0)::int + (g %% 31 = 0)::int, 0, %(start)s, '', '', "
+        "x.f - x.d, x.f - x.d, x.f "
+        "FROM generate_series(0, %(last)s) g, LATERAL (SELECT "
+        f"%(start)s::timestamptz + make_interval(secs => g::float8 * {CHART_LIFE} / %(n)s) AS f, "
+        "make_interval(secs => 0.001 * power(10, (g::bigint * 7919 %% 1000) / 200.0)) AS d) x"
+    )
+
+
+def chart_run(n: int) -> tuple[int, int]:
+    """A finished run of n items (and a sample of its waits every 10 s), and its pool."""
+    from datetime import timedelta
+
+    from django.db import connection
+    from django.utils import timezone
+
+    from fanout.models import BatchRun, CapacityPool, RunSample
+
+    now = timezone.now()
+    start = now - timedelta(seconds=CHART_LIFE)
+    pool, _ = CapacityPool.objects.get_or_create(
+        name=CHART_POOL, defaults={"max_concurrency": 64, "rate_count": 500}
+    )
+    run = BatchRun.objects.create(
+        definition="bench.charts",
+        run_key=run_key("charts"),
+        status="succeeded",
+        max_parallel=64,
+        failure_policy="collect",
+        join_mode="all",
+        total_items=n,
+        materialized_upto=n,
+        created_at=start,
+        started_at=start,
+        finished_at=now,
+    )
+    with connection.cursor() as cur:
+        cur.execute(
+            chart_items_insert(n),
+            {"run": run.pk, "pool": CHART_POOL, "start": start, "last": n - 1, "n": n},
+        )
+    RunSample.objects.bulk_create(
+        RunSample(
+            run=run,
+            at=start + timedelta(seconds=s),
+            running=40 + s % 24,
+            pool_full=(s * 37) % 500,
+            rate_limited=(s * 11) % 300,
+            retry_due=s % 50,
+        )
+        for s in range(0, CHART_LIFE, 10)
+    )
+    analyze()
+    return run.pk, pool.pk
+
+
+def timed_page(client: Any, url: str) -> dict[str, Any]:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    t0 = time.perf_counter()
+    with CaptureQueriesContext(connection) as captured:
+        response = client.get(url)
+    seconds = time.perf_counter() - t0
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}")
+    slowest = max((float(q["time"]) for q in captured.captured_queries), default=0.0)
+    return {"seconds": seconds, "queries": len(captured), "slowest_query_s": slowest}
+
+
+def timed_count(run_id: int) -> dict[str, Any]:
+    """The floor of any page that reads every item: a bare count of the run's items."""
+    from django.db import connection
+
+    t0 = time.perf_counter()
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM fanout_itemclaim WHERE run_id = %s", [run_id])
+        cur.fetchone()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "queries": 1, "slowest_query_s": seconds}
+
+
+def phase_charts(cfg: argparse.Namespace) -> dict[str, Any]:
+    """Time the run page (its charts cold, then cached) and the pool page at cfg.chart_items
+    finished items, best of the repeats: the charts read them with SQL aggregates."""
+    from django.contrib.auth import get_user_model
+    from django.core.cache import cache
+    from django.test import Client
+    from django.urls import reverse
+
+    reset_tables()
+    n = cfg.chart_items
+    t0 = time.monotonic()
+    run_id, pool_id = retry_db("charts rows", partial(chart_run, n))
+    log(f"  {n:,} items written in {time.monotonic() - t0:.1f} s")
+    user, _ = get_user_model().objects.get_or_create(
+        username="bench-charts", defaults={"is_staff": True, "is_superuser": True}
+    )
+    client = Client()
+    client.force_login(user)
+    run_url = reverse("admin:fanout_batchrun_change", args=[run_id])
+    pool_url = reverse("admin:fanout_capacitypool_change", args=[pool_id])
+    client.get(pool_url)  # the session, templates and the tables' pages warmed alike
+    found: dict[str, list[dict[str, Any]]] = {
+        "run_cold": [],
+        "run_cached": [],
+        "pool": [],
+        "count": [],
+    }
+    for r in range(cfg.repeats):
+        found["count"].append(timed_count(run_id))
+        cache.clear()
+        found["run_cold"].append(timed_page(client, run_url))
+        found["run_cached"].append(timed_page(client, run_url))
+        found["pool"].append(timed_page(client, pool_url))
+        log(
+            "  #{} count(*) {:.3f} s; run page {:.3f} s cold ({} queries), {:.3f} s cached; "
+            "pool page {:.3f} s".format(
+                r + 1,
+                found["count"][-1]["seconds"],
+                found["run_cold"][-1]["seconds"],
+                found["run_cold"][-1]["queries"],
+                found["run_cached"][-1]["seconds"],
+                found["pool"][-1]["seconds"],
+            )
+        )
+    reset_tables()
+    out: dict[str, Any] = {
+        "items": n,
+        "cold_to_count": stats(
+            [
+                cold["seconds"] / count["seconds"]
+                for cold, count in zip(found["run_cold"], found["count"], strict=True)
+            ]
+        ),
+    }
+    for page, runs in found.items():
+        out[page] = {
+            "seconds": stats([x["seconds"] for x in runs]),
+            "queries": runs[-1]["queries"],
+            "slowest_query_s": stats([x["slowest_query_s"] for x in runs]),
+        }
+    return out
+
+
+def report_charts(res: dict[str, Any]) -> list[str]:
+    ch = res.get("charts", {})
+    if not ch:
+        return []
+    lines = [
+        f"8. The admin's pages with their charts, {ch['items']:,} finished items of one run "
+        "(median of repeats)",
+        f"{'page':>24}{'seconds':>9}{'min–max':>16}{'queries':>9}{'slowest query':>15}",
+    ]
+    s3 = lambda x: f"{x:.3f}"  # noqa: E731
+    names = {
+        "count": "count(*) of its items",
+        "run_cold": "run page, cold",
+        "run_cached": "run page, cached",
+        "pool": "pool page",
+    }
+    for key, name in names.items():
+        v = ch[key]
+        lines.append(
+            f"{name:>24}{v['seconds']['median']:>9.3f}{fmt_span(v['seconds'], s3):>16}"
+            f"{v['queries']:>9}{v['slowest_query_s']['median']:>15.3f}"
+        )
+    ratios = ch.get("cold_to_count")
+    if ratios and ratios["median"] is not None:
+        lines.append(
+            f"run page cold / count(*) of its items, per repeat: {ratios['median']:.2f} "
+            f"({fmt_span(ratios, lambda x: f'{x:.2f}')})"
+        )
+    return lines
+
+
+# ------------------------------------------------------------- 9. retention beside a live run
+
+
+def claim_loop(samples: int, warmup: int = 20) -> dict[str, Any]:
+    """A per-item run drained by one claimer: claim one item, record it, ``samples`` times;
+    its items per second (claim and record) and its claim latencies."""
+    from fanout.claim import claim
+    from fanout.definition import get_definition
+    from fanout.dispatch import prepare_run
+    from fanout.record import SUCCEEDED, ExecutionOutcome, record
+
+    definition = get_definition("bench.noop_each")
+    run = prepare_run(definition, {"n": samples + warmup}, run_key("retention"))
+    times = []
+    started = 0.0
+    for i in range(samples + warmup):
+        if i == warmup:
+            started = time.perf_counter()
+        t0 = time.perf_counter()
+        res = claim(run.pk, "bench-claimer", 1, 30.0, 3, None)
+        dt = time.perf_counter() - t0
+        if len(res.items) != 1:
+            raise RuntimeError(f"claim {i} got {len(res.items)} items: {res.reason}")
+        item = res.items[0]
+        record(run.pk, res.token, [ExecutionOutcome(item.pk, item.key, SUCCEEDED)], "collect")
+        if i >= warmup:
+            times.append(dt)
+    return {"times": times, "seconds": time.perf_counter() - started}
+
+
+def claims_summary(loops: list[dict[str, Any]]) -> dict[str, Any]:
+    times = [t for loop in loops for t in loop["times"]]
+    seconds = sum(loop["seconds"] for loop in loops)
+    return {
+        "claims": len(times),
+        "items_per_s": len(times) / seconds,
+        "median_ms": statistics.median(times) * 1000,
+        "p99_ms": percentile(times, 99) * 1000,
+    }
+
+
+def prune_beside(cfg: argparse.Namespace, batch: int, logdir: Path) -> dict[str, Any]:
+    """Fill cfg.retention_rows finished item rows, then prune them with ``manage.py
+    fanout_prune`` in a subprocess while the claim loop drains a run beside it."""
+    add_terminal_rows(cfg.retention_rows)
+    log_path = logdir / f"prune-{batch}.log"
+    cmd = [sys.executable, "manage.py", "fanout_prune", "--older-than", "0s", "--batch", str(batch)]
+    cmd += ["--json"]
+    t0 = time.monotonic()
+    proc = spawn(cmd, log_path)
+    loops = []
+    try:
+        while proc.poll() is None:
+            loops.append(claim_loop(cfg.retention_chunk, warmup=2))
+        proc.wait()
+    finally:
+        _stop_process(proc)
+        if proc in _children:
+            _children.remove(proc)
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0 or not loops:
+        raise RuntimeError(f"fanout_prune exited {proc.returncode}: {log_path.read_text()[-800:]}")
+    report = json.loads(log_path.read_text().strip().splitlines()[-1])
+    return {
+        "batch": batch,
+        "rows": report["items"],
+        "prune_s": seconds,
+        "rows_per_s": report["items"] / seconds,
+        **claims_summary(loops),
+    }
+
+
+def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """A prune of cfg.retention_rows finished item rows beside a per-item run: its rows per
+    second, and the run's throughput and claim p99 against the same loop with no prune
+    beside it, measured just before and just after (the load of a shared machine drifts)."""
+    reset_tables()
+    out: dict[str, Any] = {"rows": cfg.retention_rows, "pruned": []}
+    alone = [claim_loop(cfg.retention_alone)]
+    for batch in cfg.retention_batches:
+        beside = retry_db("retention", partial(prune_beside, cfg, batch, logdir))
+        alone.append(claim_loop(cfg.retention_alone))
+        base = claims_summary(alone[-2:])
+        beside["p99_ratio"] = beside["p99_ms"] / base["p99_ms"]
+        beside["throughput_ratio"] = base["items_per_s"] / beside["items_per_s"]
+        beside["alone"] = base
+        out["pruned"].append(beside)
+        log(
+            f"  batch {batch}: {beside['rows']:,} rows in {beside['prune_s']:.1f} s = "
+            f"{beside['rows_per_s']:,.0f} rows/s; beside it {beside['items_per_s']:,.0f} "
+            f"items/s, claim p99 {beside['p99_ms']:.2f} ms; alone {base['items_per_s']:,.0f} "
+            f"items/s, p99 {base['p99_ms']:.2f} ms (p99 x{beside['p99_ratio']:.2f}, "
+            f"throughput /{beside['throughput_ratio']:.2f})"
+        )
+    reset_tables()
+    return out
+
+
+def report_retention(res: dict[str, Any]) -> list[str]:
+    rt = res.get("retention", {})
+    if not rt:
+        return []
+    lines = [
+        f"9. fanout_prune of {rt['rows']:,} finished item rows beside a per-item run "
+        "(one claimer), against the same run alone just before and after",
+        f"{'batch':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}{'claim p99 beside':>18}"
+        f"{'alone':>8}{'p99 ratio':>11}{'slowdown':>10}",
+    ]
+    for v in rt["pruned"]:
+        lines.append(
+            f"{v['batch']:>7,}{v['rows_per_s']:>10,.0f}{v['items_per_s']:>16,.0f}"
+            f"{v['alone']['items_per_s']:>8,.0f}{v['p99_ms']:>16.2f}ms"
+            f"{v['alone']['p99_ms']:>6.2f}ms{v['p99_ratio']:>11.2f}{v['throughput_ratio']:>10.2f}"
+        )
+    return lines
+
+
 # ------------------------------------------------------------------------------ the report
 
 
@@ -2497,6 +2820,8 @@ def print_report(res: dict[str, Any]) -> None:
         report_pools(res),
         report_scheduling(res),
         report_consecutive(res),
+        report_charts(res),
+        report_retention(res),
         report_targets(res),
         report_mariadb(res),
     ]
@@ -2534,6 +2859,8 @@ PHASES = (
     "pools",
     "scheduling",
     "consecutive",
+    "charts",
+    "retention",
 )
 
 
@@ -2596,6 +2923,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run on this server alone: postgresql (DATABASE_URL) or mariadb (--mariadb-url); "
         "by default PostgreSQL, then the MariaDB pass",
     )
+    p.add_argument(
+        "--chart-items",
+        type=int,
+        default=None,
+        help="finished items of the run whose admin pages the charts phase times "
+        "(default 1,000,000; quick 20,000)",
+    )
+    p.add_argument(
+        "--retention-rows",
+        type=int,
+        default=None,
+        help="finished item rows the retention phase prunes beside a live run "
+        "(default 1,000,000; quick 20,000)",
+    )
+    p.add_argument(
+        "--retention-batches",
+        metavar="N,N",
+        default=None,
+        help="fanout_prune --batch sizes the retention phase tries, one prune each "
+        "(default 2000,500)",
+    )
     p.add_argument("--child-materialize", type=int, help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
     quick = cfg.quick
@@ -2625,6 +2973,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cfg.pool_rate_items = 100 if quick else 300
     cfg.consecutive_items = 2_000 if quick else 10_000
     cfg.consecutive_runs = 3 if quick else 5
+    cfg.chart_items = cfg.chart_items or (20_000 if quick else 1_000_000)
+    cfg.retention_rows = cfg.retention_rows or (20_000 if quick else 1_000_000)
+    cfg.retention_batches = sizes(cfg.retention_batches or "2000,500")
+    cfg.retention_chunk = 100  # claims per loop beside the prune: it checks the prune between
+    cfg.retention_alone = 200 if quick else 1000
     cfg.phases = [x.strip() for x in cfg.only.split(",") if x.strip()]
     unknown = set(cfg.phases) - set(PHASES)
     if unknown:
@@ -2663,6 +3016,12 @@ def mariadb_pass(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
         sizes(cfg.materialize_sizes),
         "--claim-levels",
         sizes(cfg.claim_levels),
+        "--chart-items",
+        str(cfg.chart_items),
+        "--retention-rows",
+        str(cfg.retention_rows),
+        "--retention-batches",
+        sizes(cfg.retention_batches),
         *(["--quick"] if cfg.quick else []),
     ]
     # The URL goes by the environment, where a password is not shown to other users.
@@ -2755,6 +3114,8 @@ def main(argv: list[str] | None = None) -> int:
         "pools": lambda: phase_pools(cfg, logdir),
         "scheduling": lambda: phase_scheduling(cfg, logdir),
         "consecutive": lambda: phase_consecutive(cfg, logdir),
+        "charts": lambda: phase_charts(cfg),
+        "retention": lambda: phase_retention(cfg, logdir),
     }
     digest = res["machine"]["fanout_code_digest"] = code_digest()
     interrupted = False

@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "METRICS_TOKEN": None,
     # Finished runs the workers' supervisors delete, by status: {"succeeded": "30d"}; off if empty.
     "RETENTION": {},
+    # Least seconds between two samples of a running run's waits (the run page's chart).
+    "SAMPLE_SECONDS": 10.0,
 }
 
 
@@ -76,6 +78,7 @@ class Settings:
     OTEL_ITEM_SAMPLE_RATE: float
     METRICS_TOKEN: str | None
     RETENTION: dict[str, str]
+    SAMPLE_SECONDS: float
 
 
 conf = Settings()

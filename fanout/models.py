@@ -285,6 +285,31 @@ class ItemAttempt(models.Model):
         return self.finished_at - self.started_at
 
 
+class RunSample(models.Model):
+    """What a running run's unfinished items were doing at one moment: the rows keep no
+    history of waits, so the supervisor that tends the run writes one of these at most every
+    FANOUT_SAMPLE_SECONDS, for the run page's chart of what items waited on."""
+
+    run = models.ForeignKey(BatchRun, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField()
+    running = models.PositiveIntegerField(default=0)  # under a lease
+    ready = models.PositiveIntegerField(default=0)  # claimable: waiting for a free worker
+    max_parallel = models.PositiveIntegerField(default=0)  # claimable, the run at max_parallel
+    retry_due = models.PositiveIntegerField(default=0)  # pending until their retry is due
+    pool_full = models.PositiveIntegerField(default=0)  # due, their pool has no free slot
+    rate_limited = models.PositiveIntegerField(default=0)  # due, their pool's rate holds them
+    throttled = models.PositiveIntegerField(default=0)  # due, their pool backs off (Throttled)
+    paused = models.PositiveIntegerField(default=0)  # due, their pool is paused or missing
+    child_runs = models.PositiveIntegerField(default=0)  # handed to a child run (Item.spawn)
+
+    class Meta:
+        ordering = ["run_id", "at"]
+        indexes = [models.Index(fields=["run", "at"], name="fanout_sample_run_at_idx")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} at {self.at:%H:%M:%S}"
+
+
 class CapacityPool(models.Model):
     """A named capacity owner (provider, account, workspace) shared by every run."""
 

@@ -22,7 +22,14 @@ from django.db.models import Count, Exists, OuterRef, Q
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .errors import FanoutError
-from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemAttempt, ItemClaim, ItemStatus
+from .models import (
+    TERMINAL_RUN_STATUSES,
+    BatchRun,
+    ItemAttempt,
+    ItemClaim,
+    ItemStatus,
+    RunSample,
+)
 from .nest import descendants
 
 # Rows of one kind deleted per transaction: short enough for the locks to be brief, long
@@ -169,6 +176,7 @@ def prune_tree(
             return pruned
         if not keep_runs:
             with transaction.atomic():
+                RunSample.objects.filter(run_id=run_id)._raw_delete(connection.alias)
                 pruned.runs += BatchRun.objects.filter(pk=run_id)._raw_delete(connection.alias)
     if keep_runs:
         pruned.runs = len(tree)

@@ -12,7 +12,8 @@ UPDATE (the fleet's election: each run is looked at by one process at a time), a
 - a pending run whose writer died mid-work-list (its lease ran out) is written to the end and
   dispatched; one that the database refuses in a way no retry mends says why on the run, and
   is written again with the re-dispatch's backoff;
-- a compensating run's forward items whose workers died are released, so that it can end.
+- a compensating run's forward items whose workers died are released, so that it can end;
+- a running run gets a sample of what its items wait on (fanout.sample), at a bounded rate.
 
 After tending, it audits the in_flight counters of the runs it took and of a few pools (each
 pool by one supervisor per period) against their rows, and corrects any drift (fanout.audit).
@@ -36,6 +37,7 @@ from .clock import DbNow, db_now_plus
 from .conf import conf, host_name
 from .models import BatchRun, ItemClaim, RunStatus
 from .prune import prune_by_retention
+from .sample import sample_run
 
 logger = logging.getLogger("fanout")
 
@@ -83,6 +85,7 @@ def tend(run_id: int) -> str:
     resolve_waiting(run_id)  # children that ended while nobody decided their parent item
     if run.status == RunStatus.COMPENSATING:
         return _tend_compensation(run)
+    sample_run(run)  # what its items wait on now, for the run page's chart
     unfinished = ItemClaim.objects.filter(run_id=run_id).unfinished().exists()
     if not unfinished:
         return "joined" if maybe_join(run_id) else "join held by another worker"

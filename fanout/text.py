@@ -27,6 +27,18 @@ def human_duration(value: timedelta | float | None) -> str:
     return f"{days}d {hours:02d}h"
 
 
+def precise_duration(value: timedelta | None) -> str:
+    """A duration that may be under a second: "0.4ms", "35ms", "1.2s"; "" for None."""
+    if value is None:
+        return ""
+    ms = value.total_seconds() * 1000
+    if ms < 10:
+        return f"{ms:.1f}ms"
+    if ms < 1000:
+        return f"{ms:.0f}ms"
+    return human_duration(value)
+
+
 def human_rate(rate: float | None) -> str:
     """Items per second with the precision its size deserves; "" for None."""
     if rate is None:

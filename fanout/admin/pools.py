@@ -19,6 +19,7 @@ from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus
 from ..pools import settings_drift
 from ..text import plural
 from ..waiting import pool_state
+from .charts import pool_panels
 from .common import (
     LOCATIONS,
     FanoutAdmin,
@@ -195,6 +196,7 @@ class CapacityPoolAdmin(FanoutAdmin):
             "may_pause": self.has_pause_permission(request),
             "pause_url": reverse("admin:fanout_capacitypool_pause", args=[pool.pk]),
             "pool_runs": pool_runs(pool.name),
+            "charts": pool_panels(pool, now),
         }
 
     def save_model(self, request: HttpRequest, obj: CapacityPool, form: Any, change: bool) -> None:

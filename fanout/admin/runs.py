@@ -32,6 +32,7 @@ from ..report import (
     tree_report,
 )
 from ..text import human_duration, human_rate, plural
+from .charts import run_panels
 from .common import (
     CANCELLABLE_RUNS,
     FanoutAdmin,
@@ -419,6 +420,7 @@ class BatchRunAdmin(FanoutAdmin):
                 for g in failure_groups(run.pk)
             ],
             "pools": pools,
+            "charts": run_panels(run, timezone.now()),
             "buttons": (buttons := self._buttons(request, run, counts["failed"])),
             "retry_note": self._retry_note(run) if buttons and _offers_retry(buttons) else "",
             **dict(

@@ -51,6 +51,17 @@ class Backend:
         """Plan the claim's picks so that they walk the claim index in work-list order."""
         yield
 
+    def bucket(self, expression: Any, edges: Sequence[Any]) -> Any:
+        """The index i of the bucket [edges[i-1], edges[i]) that ``expression`` falls in (0
+        below the first edge, len(edges) from the last), or None: fanout.charts then uses a
+        portable CASE."""
+        return None
+
+    @contextlib.contextmanager
+    def aggregating(self) -> Iterator[None]:
+        """Plan the block's large aggregates (the admin's charts) for one pass over many rows."""
+        yield
+
     @property
     def hands_over(self) -> bool:
         """Whether a finished item can hand its slot on in one statement here."""

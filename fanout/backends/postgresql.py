@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any, cast
 
-from django.db import connection
-from django.db.models import Field, Model
+from django.db import connection, transaction
+from django.db.models import Field, Func, IntegerField, Model
+from django.db.models.expressions import RawSQL
 
 from .base import Backend, HandOverRow
 
@@ -47,6 +49,32 @@ class PostgreSQL(Backend):
         finally:
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL enable_sort = on")
+
+    def bucket(self, expression: Any, edges: Sequence[Any]) -> Any:
+        # width_bucket() over an array of edges is a binary search in C: a third of the
+        # portable CASE's time at a million rows.
+        if not edges:
+            return None
+        kind = "interval" if isinstance(edges[0], timedelta) else "timestamptz"
+        return Func(
+            expression,
+            RawSQL(f"%s::{kind}[]", (list(edges),)),
+            function="width_bucket",
+            output_field=IntegerField(),
+        )
+
+    @contextlib.contextmanager
+    def aggregating(self) -> Iterator[None]:
+        # A chart's bucket is a CASE nested six deep: at a million rows the planner's cost
+        # calls for JIT, whose compiling took seconds, three times the query itself. A larger
+        # work_mem lets it hash its few thousand groups instead of sorting every row on disk.
+        # Inside an outer transaction (an admin page's) both last until it ends: reads only,
+        # and no savepoint is needed.
+        outer = contextlib.nullcontext() if connection.in_atomic_block else transaction.atomic()
+        with outer:
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL jit = off; SET LOCAL work_mem = '64MB'")
+            yield
 
     @property
     def hands_over(self) -> bool:

@@ -575,3 +575,99 @@ def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at
         running = runs["running"]
         assert_seen_whole(table.get_by_role("link", name=f"#{running.pk} admin-console"), "#")
         expect(table.locator("tbody tr")).to_have_count(1)  # the failed run has nothing left
+
+
+def charted_run() -> dict[str, Any]:
+    """A finished run of 600 items over ten minutes with its failures, retries, waits sampled
+    every ten seconds and three child runs, and the pool it used."""
+    from datetime import timedelta
+
+    from fanout.models import RunSample
+    from tests.test_charts import finished_items, new_run
+
+    pool = CapacityPool.objects.create(name="render-farm", max_concurrency=32, rate_count=5)
+    run = new_run(
+        RunStatus.SUCCEEDED,
+        minutes=10,
+        definition="renders",
+        run_key="renders:2026-11-29:catalogue",
+    )
+    items = finished_items(run, 600, pool=pool.name)
+    assert run.started_at is not None
+    RunSample.objects.bulk_create(
+        RunSample(
+            run=run,
+            at=run.started_at + timedelta(seconds=s),
+            running=min(32, s // 10 + 4),
+            ready=max(0, 30 - s // 20),
+            pool_full=(s * 7) % 40 if s < 400 else 0,
+            rate_limited=(s * 3) % 25 if 200 < s < 500 else 0,
+            retry_due=s % 9,
+        )
+        for s in range(0, 600, 10)
+    )
+    for i, item in enumerate(items[:3]):
+        BatchRun.objects.create(
+            definition="renders.pages",
+            run_key=f"renders:child:{i}",
+            status=RunStatus.SUCCEEDED if i != 1 else RunStatus.FAILED,
+            max_parallel=4,
+            failure_policy="collect",
+            join_mode="all",
+            parent_item=item,
+            created_at=run.started_at + timedelta(seconds=40 * i),
+            started_at=run.started_at + timedelta(seconds=40 * i),
+            finished_at=run.started_at + timedelta(seconds=40 * i + 150 + 60 * i),
+        )
+    return {"run": run, "pool": pool}
+
+
+def charts_fit(page: Any) -> list[str]:
+    """The parts of the charts that reach past the right edge of the screen."""
+    return page.evaluate(
+        """() => [...document.querySelectorAll('.fanout-charts *')]
+            .filter(e => e.getBoundingClientRect().right > innerWidth + 1)
+            .map(e => e.tagName + '.' + e.getAttribute('class'))"""
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("width", (1400, 390))
+def test_a_runs_charts_and_a_pools_last_hour_are_drawn_whole_at_a_laptops_and_a_phones_width(
+    live_server, django_user_model, width
+):
+    from playwright.sync_api import expect
+
+    ensure_chromium()
+    expect.set_options(timeout=15_000)
+    django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
+    made = charted_run()
+    run, pool = made["run"], made["pool"]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    admin = f"{live_server.url}/admin/fanout"
+
+    with chromium_page(width, height=900) as page:
+        log_in(page, live_server.url, f"/admin/fanout/batchrun/{run.pk}/change/")
+        charts = page.locator(".fanout-charts")
+        expect(charts.locator("svg.fanout-chart")).to_have_count(5)
+        for name in ("throughput", "durations", "attempts", "waits", "children"):
+            chart = charts.locator(f'[data-chart="{name}"] svg.fanout-chart')
+            expect(chart.locator("rect").first).to_be_attached()
+            box = chart.bounding_box()
+            assert box and box["width"] >= min(width - 80, 400), (name, box)
+            assert box["x"] >= 0 and box["x"] + box["width"] <= width, (name, box)
+        # Server-side SVG: the charts need no script, and none is loaded for them.
+        assert not page.locator(".fanout-charts script").count()
+        expect(charts.locator('[data-chart="durations"] [data-field="note"]')).to_contain_text(
+            "p99"
+        )
+        assert charts_fit(page) == [], "chart parts past the screen's edge"
+        charts.screenshot(path=str(SCREENSHOTS / f"run-charts-{width}.png"))
+
+        page.goto(f"{admin}/capacitypool/{pool.pk}/change/")
+        pool_charts = page.locator(".fanout-charts")
+        expect(pool_charts.locator("svg.fanout-chart")).to_have_count(2)
+        expect(pool_charts.locator("line.fanout-chart-limit")).to_have_count(2)
+        assert charts_fit(page) == [], "chart parts past the screen's edge"
+        assert_fits(page, ".fanout-chart-panel")
+        pool_charts.screenshot(path=str(SCREENSHOTS / f"pool-charts-{width}.png"))

@@ -1,0 +1,406 @@
+"""The run page's and the pool page's charts match the rows they are drawn from, bucket by
+bucket, and cost a named number of queries whatever the size of the run.
+
+Database-agnostic: `make test` runs it on PostgreSQL, `make test-mariadb` on MariaDB, and
+DATABASE_URL=sqlite:///... on SQLite.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+import uuid
+from collections import Counter
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.core.cache import cache
+from django.db import connection
+from django.urls import reverse
+from django.utils import timezone
+
+from fanout.charts import (
+    ATTEMPTS_SHOWN,
+    DURATION_EDGES,
+    MAX_BUCKETS,
+    PERCENTILES,
+    TimeAxis,
+    cached_run_charts,
+    pool_charts,
+    run_axis,
+    run_charts,
+)
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunSample, RunStatus
+from fanout.prune import prune_tree
+from fanout.sample import WAITS, measure, sample_run
+from fanout.supervise import tend
+
+pytestmark = pytest.mark.django_db
+
+# What run_charts costs: one pass over the items (throughput, durations, attempts), one over
+# the durations the percentiles fall among, the wait samples and the child runs.
+# On PostgreSQL one statement more plans them (fanout.backends: no JIT, hash aggregates).
+PLAN = 1 if connection.vendor == "postgresql" else 0
+RUN_CHART_QUERIES = 4 + PLAN
+POOL_CHART_QUERIES = 1 + PLAN
+
+
+def whole(t: datetime) -> datetime:
+    """A time every database keeps exactly (microseconds included)."""
+    return t.replace(microsecond=t.microsecond - t.microsecond % 1000)
+
+
+def new_run(status: str = RunStatus.SUCCEEDED, minutes: float = 10, **fields: Any) -> BatchRun:
+    now = whole(timezone.now())
+    started = now - timedelta(minutes=minutes)
+    return BatchRun.objects.create(
+        definition=fields.pop("definition", "charts"),
+        run_key=fields.pop("run_key", f"charts:{uuid.uuid4().hex}"),
+        status=status,
+        max_parallel=fields.pop("max_parallel", 8),
+        failure_policy="collect",
+        join_mode="all",
+        created_at=started,
+        started_at=started,
+        finished_at=now if status != RunStatus.RUNNING else None,
+        **fields,
+    )
+
+
+def finished_items(run: BatchRun, n: int, seed: int = 7, pool: str = "") -> list[ItemClaim]:
+    """n items that ran at random times of the run's life, durations spread from 0.3 ms to
+    minutes, some failed, some after several attempts."""
+    rng = random.Random(seed)
+    assert run.started_at and run.finished_at
+    life = (run.finished_at - run.started_at).total_seconds()
+    rows = []
+    for i in range(n):
+        took = timedelta(milliseconds=round(10 ** rng.uniform(-0.5, 5.2), 3))
+        end = run.started_at + timedelta(milliseconds=round(rng.uniform(0, life) * 1000))
+        failed = rng.random() < 0.15
+        rows.append(
+            ItemClaim(
+                run=run,
+                key=f"k{i}",
+                index=i,
+                pool=pool,
+                status=ItemStatus.FAILED if failed else ItemStatus.SUCCEEDED,
+                attempt=rng.choice([1, 1, 1, 1, 2, 3, 12]),
+                claimed_at=end - took,
+                started_at=end - took,
+                finished_at=end,
+            )
+        )
+    ItemClaim.objects.bulk_create(rows)
+    return list(ItemClaim.objects.filter(run=run))
+
+
+def nearest_rank(values: list[timedelta], p: int) -> timedelta:
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(len(ordered) * p / 100)) - 1]
+
+
+def test_a_runs_charts_match_its_rows_in_a_named_number_of_queries(
+    django_assert_num_queries: Any,
+) -> None:
+    run = new_run()
+    items = finished_items(run, 700)
+    # Unfinished and unstarted items count in none of the charts.
+    ItemClaim.objects.create(run=run, key="never", index=10_000, status=ItemStatus.PENDING)
+
+    with django_assert_num_queries(RUN_CHART_QUERIES):
+        charts = run_charts(run, timezone.now())
+
+    axis = run_axis(run, timezone.now())
+    assert axis.count <= MAX_BUCKETS and axis.step == timedelta(seconds=10)
+    finished, failed = Counter[int](), Counter[int]()
+    for item in items:
+        b = min(int((item.finished_at - axis.start) / axis.step), axis.count - 1)
+        finished[b] += 1
+        failed[b] += item.status == ItemStatus.FAILED
+    assert charts.finished == [finished[b] for b in range(axis.count)]
+    assert charts.failed == [failed[b] for b in range(axis.count)]
+    assert sum(charts.finished) == 700
+
+    took = [item.finished_at - item.started_at for item in items]
+    histogram = Counter(bisect.bisect_right(DURATION_EDGES, t) for t in took)
+    assert charts.durations == [histogram[b] for b in range(len(DURATION_EDGES) + 1)]
+    assert charts.percentiles == {p: nearest_rank(took, p) for p in PERCENTILES}
+
+    attempts = Counter(min(item.attempt, ATTEMPTS_SHOWN) for item in items)
+    assert charts.attempts == dict(sorted(attempts.items()))
+
+
+@pytest.mark.parametrize("minutes", [1, 0])  # 0: a run that just started has one bucket
+def test_a_run_that_nothing_finished_yet_draws_empty_charts_in_fewer_queries(
+    django_assert_num_queries: Any, minutes: int
+) -> None:
+    run = new_run(RunStatus.RUNNING, minutes=minutes)
+    ItemClaim.objects.create(run=run, key="a", index=0, status=ItemStatus.PENDING)
+
+    with django_assert_num_queries(RUN_CHART_QUERIES - 1):
+        charts = run_charts(run, timezone.now())
+
+    assert sum(charts.finished) == 0 and charts.percentiles == {} and charts.attempts == {}
+    assert all(v is None for v in charts.waits["running"])
+
+
+def test_an_ended_runs_charts_are_computed_once_per_end(django_assert_num_queries: Any) -> None:
+    run = new_run()
+    finished_items(run, 20)
+    running = new_run(RunStatus.RUNNING)
+    cache.clear()
+
+    first = cached_run_charts(run, timezone.now())
+    with django_assert_num_queries(0):
+        again = cached_run_charts(run, timezone.now())
+    with django_assert_num_queries(RUN_CHART_QUERIES - 1):
+        cached_run_charts(running, timezone.now())  # a live run's are always read anew
+    run.reopened += 1  # retried and ended again: its items changed
+    with django_assert_num_queries(RUN_CHART_QUERIES):
+        cached_run_charts(run, timezone.now())
+
+    assert again == first
+
+
+def test_a_time_axis_has_at_most_sixty_buckets_of_a_round_step() -> None:
+    start = whole(timezone.now())
+    for span, step in [(5, 1), (59, 1), (61, 2), (3600, 60), (7201, 300), (86_400 * 3, 7200)]:
+        axis = TimeAxis.over(start, start + timedelta(seconds=span))
+        assert axis.step == timedelta(seconds=step), span
+        assert axis.count <= MAX_BUCKETS
+        assert axis.start + axis.step * axis.count >= start + timedelta(seconds=span)
+    week = TimeAxis.over(start, start + timedelta(days=90))
+    assert week.count <= MAX_BUCKETS
+
+
+def test_a_sample_counts_what_each_unfinished_item_waits_on() -> None:
+    now = whole(timezone.now())
+    CapacityPool.objects.create(name="charts-full", max_concurrency=1)
+    CapacityPool.objects.create(
+        name="charts-rate",
+        max_concurrency=50,
+        rate_count=1,
+        rate_period=60,
+        tokens=0,
+        tokens_at=now,
+    )
+    CapacityPool.objects.create(name="charts-throttled", backoff_until=now + timedelta(minutes=1))
+    CapacityPool.objects.create(name="charts-paused", paused=True)
+    run = new_run(RunStatus.RUNNING, max_parallel=100)
+    later, due = now + timedelta(minutes=5), now - timedelta(seconds=1)
+    lease = now + timedelta(seconds=30)
+    shape = [
+        # (pool, status, how many, next_attempt_at, lease)
+        ("charts-full", ItemStatus.RUNNING, 1, due, lease),
+        ("charts-full", ItemStatus.PENDING, 4, due, None),
+        ("charts-rate", ItemStatus.PENDING, 3, due, None),
+        ("charts-throttled", ItemStatus.PENDING, 2, due, None),
+        ("charts-paused", ItemStatus.PENDING, 5, due, None),
+        ("charts-missing", ItemStatus.PENDING, 1, due, None),
+        ("", ItemStatus.PENDING, 6, due, None),
+        ("", ItemStatus.PENDING, 7, later, None),
+        ("", ItemStatus.RUNNING, 2, due, lease),
+        ("", ItemStatus.RUNNING, 1, due, now - timedelta(seconds=5)),  # its owner is gone
+        ("", ItemStatus.WAITING, 3, due, None),
+        ("", ItemStatus.SUCCEEDED, 9, due, None),
+    ]
+    rows, index = [], 0
+    for pool, status, n, at, lease_until in shape:
+        for _ in range(n):
+            rows.append(
+                ItemClaim(
+                    run=run,
+                    key=f"k{index}",
+                    index=index,
+                    pool=pool,
+                    status=status,
+                    next_attempt_at=at,
+                    lease_expires_at=lease_until,
+                )
+            )
+            index += 1
+    ItemClaim.objects.bulk_create(rows)
+
+    sample = measure(run, now)
+
+    assert {w: getattr(sample, w) for w in WAITS} == {
+        "running": 3,
+        "ready": 6 + 1,  # its own items due, and the one whose lease ran out
+        "max_parallel": 0,
+        "pool_full": 4,
+        "rate_limited": 3,
+        "throttled": 2,
+        "paused": 5 + 1,
+        "retry_due": 7,
+        "child_runs": 3,
+    }
+    run.max_parallel = 6  # 3 running and 3 in child runs hold every slot
+    assert measure(run, now).max_parallel == 7 and measure(run, now).ready == 0
+
+
+def test_a_run_is_sampled_at_most_once_per_period_and_only_while_it_runs(settings: Any) -> None:
+    settings.FANOUT_SAMPLE_SECONDS = 10
+    now = whole(timezone.now())
+    run = new_run(RunStatus.RUNNING)
+    ItemClaim.objects.create(run=run, key="a", index=0)
+
+    assert sample_run(run, now) is not None
+    assert sample_run(run, now + timedelta(seconds=9)) is None
+    assert sample_run(run, now + timedelta(seconds=11)) is not None
+    run.status = RunStatus.SUCCEEDED
+    assert sample_run(run, now + timedelta(seconds=30)) is None
+    assert RunSample.objects.filter(run=run).count() == 2
+
+
+def test_the_supervisor_that_tends_a_running_run_samples_it() -> None:
+    run = new_run(RunStatus.RUNNING)
+    ItemClaim.objects.create(run=run, key="a", index=0)
+    done = new_run(RunStatus.SUCCEEDED)
+
+    tend(run.pk)
+    tend(run.pk)  # within FANOUT_SAMPLE_SECONDS: no second sample
+    tend(done.pk)
+
+    assert list(RunSample.objects.values_list("run_id", "ready")) == [(run.pk, 1)]
+
+
+def test_the_wait_chart_averages_the_samples_of_each_bucket() -> None:
+    run = new_run(minutes=10)
+    assert run.started_at
+    axis = run_axis(run, timezone.now())
+    rows = []
+    for second in range(0, 600, 5):  # a sample every 5 s: two per 10 s bucket
+        rows.append(
+            RunSample(
+                run=run,
+                at=run.started_at + timedelta(seconds=second),
+                running=second % 7,
+                pool_full=second,
+            )
+        )
+    RunSample.objects.bulk_create(rows)
+
+    waits = run_charts(run, timezone.now()).waits
+
+    for b in range(axis.count):
+        inside = [r for r in rows if min(int((r.at - axis.start) / axis.step), axis.count - 1) == b]
+        want = sum(r.pool_full for r in inside) / len(inside) if inside else None
+        assert waits["pool_full"][b] == pytest.approx(want), b
+        running = sum(r.running for r in inside) / len(inside) if inside else None
+        assert waits["running"][b] == pytest.approx(running), b
+
+
+def test_a_trees_child_runs_are_listed_first_started_first() -> None:
+    parent = new_run(minutes=30)
+    items = finished_items(parent, 3)
+    assert parent.started_at
+    for i, item in enumerate(reversed(items)):
+        BatchRun.objects.create(
+            definition="charts-child",
+            run_key=f"child:{uuid.uuid4().hex}",
+            status=RunStatus.SUCCEEDED,
+            max_parallel=1,
+            failure_policy="collect",
+            join_mode="all",
+            parent_item=item,
+            started_at=parent.started_at + timedelta(minutes=i),
+            finished_at=parent.started_at + timedelta(minutes=i + 5),
+        )
+    new_run()  # another run's tree is not this one's
+
+    children = run_charts(parent, timezone.now()).children
+
+    assert [c["started_at"] - parent.started_at for c in children] == [
+        timedelta(minutes=i) for i in range(3)
+    ]
+    assert {c["definition"] for c in children} == {"charts-child"}
+
+
+def test_a_pools_last_hour_matches_its_rows_in_one_query(
+    django_assert_num_queries: Any,
+) -> None:
+    now = whole(timezone.now())
+    CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    run = new_run(minutes=90)
+    rng = random.Random(3)
+    rows = []
+    for i in range(400):
+        claimed = now - timedelta(seconds=rng.uniform(0, 5400))
+        done = rng.random() < 0.9
+        finished = claimed + timedelta(seconds=rng.uniform(1, 600)) if done else None
+        if finished and finished > now:
+            finished = None
+        rows.append(
+            ItemClaim(
+                run=run,
+                key=f"p{i}",
+                index=i,
+                pool="charts-pool",
+                status=ItemStatus.SUCCEEDED if finished else ItemStatus.RUNNING,
+                claimed_at=whole(claimed),
+                started_at=whole(claimed),
+                finished_at=whole(finished) if finished else None,
+            )
+        )
+    ItemClaim.objects.bulk_create(rows)
+    # Another pool's items are not this pool's.
+    ItemClaim.objects.create(
+        run=run, key="other", index=999, pool="x", claimed_at=now, status=ItemStatus.RUNNING
+    )
+
+    with django_assert_num_queries(POOL_CHART_QUERIES):
+        charts = pool_charts("charts-pool", now)
+
+    axis = charts.axis
+    assert axis.count == 60 and axis.step == timedelta(minutes=1)
+    admitted = Counter(
+        min(int((r.claimed_at - axis.start) / axis.step), axis.count - 1)
+        for r in rows
+        if axis.start <= r.claimed_at <= now
+    )
+    assert charts.admitted == [admitted[b] for b in range(axis.count)]
+    ends = [t + axis.step for t in axis.times()]
+    ends[-1] = now
+    assert charts.in_flight == [
+        sum(1 for r in rows if r.claimed_at < t and (r.finished_at is None or r.finished_at >= t))
+        for t in ends
+    ]
+
+
+def test_a_pruned_run_takes_its_samples_with_it() -> None:
+    run = new_run()
+    finished_items(run, 5)
+    RunSample.objects.create(run=run, at=run.created_at, running=1)
+    kept = new_run()
+    RunSample.objects.create(run=kept, at=kept.created_at, running=1)
+
+    prune_tree(run.pk)
+
+    assert not BatchRun.objects.filter(pk=run.pk).exists()
+    assert list(RunSample.objects.values_list("run_id", flat=True)) == [kept.pk]
+
+
+def test_the_run_page_and_the_pool_page_draw_their_charts(admin_client: Any) -> None:
+    CapacityPool.objects.create(name="charts-page", max_concurrency=4, rate_count=10)
+    run = new_run()
+    finished_items(run, 50, pool="charts-page")
+    RunSample.objects.create(run=run, at=run.created_at, running=2, pool_full=3)
+    pool = CapacityPool.objects.get(name="charts-page")
+
+    page = admin_client.get(reverse("admin:fanout_batchrun_change", args=[run.pk]))
+    pool_page = admin_client.get(reverse("admin:fanout_capacitypool_change", args=[pool.pk]))
+
+    html = page.content.decode()
+    for name in ("throughput", "durations", "attempts", "waits"):
+        assert f'data-chart="{name}"' in html
+    assert html.count('<svg class="fanout-chart"') == 4
+    assert "<script" not in html.split('data-chart="throughput"')[1].split("</svg>")[0]
+    durations = next(c for c in page.context["charts"] if c["name"] == "durations")
+    assert set(durations["percentiles"]) == set(PERCENTILES)
+    assert "pool full" in html  # the wait chart's legend
+    pool_html = pool_page.content.decode()
+    assert 'data-chart="pool-in-flight"' in pool_html and 'data-chart="pool-admitted"' in pool_html
+    assert "fanout-chart-limit" in pool_html  # max_concurrency drawn as a line
