@@ -33,7 +33,8 @@ from .definition import FanOut, Item
 from .lease import keep_alive
 from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 from .nest import cancel_children
-from .transitions import ClaimedItem, cancel_pending, release_expired
+from .transitions import ClaimedItem, cancel_pending, release_expired, runs
+from .transitions import items as items_
 
 logger = logging.getLogger("fanout")
 
@@ -45,37 +46,18 @@ ORDERS = (REVERSE, PARALLEL)
 def begin(run_id: int, reason: str = "") -> bool:
     """Turn a failing (or cancelled) run to compensating; True if this call did."""
     with transaction.atomic():
-        changed = BatchRun.objects.filter(
-            pk=run_id, status__in=(RunStatus.RUNNING, RunStatus.JOINING, RunStatus.FAILED)
-        ).update(
-            status=RunStatus.COMPENSATING,
-            finished_at=None,
-            **({"error": reason} if reason else {}),
-        )
+        changed = runs.begin_compensation(run_id, reason)
         if changed:
-            _sweep(run_id)
             # Its child runs are forward work too: cancelled once the turn has committed.
             transaction.on_commit(lambda: cancel_children(run_id, reason or "compensating"))
-    return bool(changed)
+    return changed
 
 
 def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> bool:
     """The join found the run failed: compensate instead of ending it; False if the run was
     cancelled meanwhile."""
     with transaction.atomic():
-        turned = BatchRun.objects.filter(
-            pk=run_id, join_token=token, status=RunStatus.JOINING
-        ).update(
-            status=RunStatus.COMPENSATING,
-            join_result=result,
-            error=error,
-            join_failures=0,
-            join_token=None,
-            join_lease_expires_at=None,
-        )
-        if turned:  # not a run an operator cancelled while it was being joined
-            _sweep(run_id)
-    return bool(turned)
+        return runs.begin_compensation(run_id, error, joiner=token, result=result)
 
 
 def release_lost(run_id: int) -> int:
@@ -102,17 +84,6 @@ def _release_lost(run_id: int) -> int:
             "cancelled: its worker died, and the run compensates",
         )
     return released
-
-
-def _sweep(run_id: int) -> int:
-    """Items that succeeded (so far) are to be compensated."""
-    return ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.SUCCEEDED).update(
-        status=ItemStatus.COMPENSATING,
-        compensation_attempt=0,
-        claim_token=None,
-        lease_expires_at=None,
-        next_attempt_at=DbNow(),
-    )
 
 
 @dataclass
@@ -148,7 +119,7 @@ def _claim(run_id: int, definition: FanOut, owner: str) -> Taken:
         run = lock_run(run_id)
         if run is None or run["status"] != RunStatus.COMPENSATING:
             return Taken(None, run_status=run["status"] if run else "deleted")
-        _sweep(run_id)
+        items_.compensate(run_id)
         items = ItemClaim.objects.filter(run_id=run_id)
         if items.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING)).exists():
             # Strict reverse order needs every forward item finished first.
@@ -249,9 +220,7 @@ def _within_crash_budget(run_id: int, definition: FanOut, lost: dict) -> bool:
     )
     BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") - 1)
     if lost["pool"]:
-        CapacityPool.objects.filter(name=lost["pool"]).update(
-            in_flight=F("in_flight") - 1
-        )
+        CapacityPool.objects.filter(name=lost["pool"]).update(in_flight=F("in_flight") - 1)
     return False
 
 
@@ -354,9 +323,7 @@ def record(
                 row.update(status=ItemStatus.COMPENSATION_FAILED, error=error, **released)
         BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") - 1)
         if held["pool"]:
-            CapacityPool.objects.filter(name=held["pool"]).update(
-                in_flight=F("in_flight") - 1
-            )
+            CapacityPool.objects.filter(name=held["pool"]).update(in_flight=F("in_flight") - 1)
     return True
 
 
@@ -369,10 +336,7 @@ def finish(run_id: int) -> str | None:
         return None
     failed = items.filter(status=ItemStatus.COMPENSATION_FAILED).exists()
     status = RunStatus.COMPENSATION_FAILED if failed else RunStatus.COMPENSATED
-    ended = BatchRun.objects.filter(pk=run_id, status=RunStatus.COMPENSATING).update(
-        status=status, finished_at=DbNow(), compensating=0, stalled=""
-    )
-    if not ended:
+    if not runs.end_compensation(run_id, status):
         return None
     from .signals import run_finished, send
 
@@ -384,18 +348,9 @@ def retry_failed_compensations(run: BatchRun) -> int:
     """Put compensations that used up their attempts back to due, and reopen the run."""
     with transaction.atomic():
         lock_run(run.pk)
-        count = ItemClaim.objects.filter(
-            run_id=run.pk, status=ItemStatus.COMPENSATION_FAILED
-        ).update(
-            status=ItemStatus.COMPENSATING,
-            compensation_attempt=0,
-            next_attempt_at=DbNow(),
-            error="",
-        )
+        count = items_.reopen_compensations(run.pk)
         if count:
-            BatchRun.objects.filter(pk=run.pk, status=RunStatus.COMPENSATION_FAILED).update(
-                status=RunStatus.COMPENSATING, finished_at=None, reopened=F("reopened") + 1
-            )
+            runs.reopen_compensation(run.pk)
     run.refresh_from_db()
     return count
 
