@@ -622,3 +622,126 @@ def reopen_compensations(run_id: int) -> int:
         next_attempt_at=DbNow(),
         error="",
     )
+
+
+# error_class of a compensation's attempt cut off by a lost worker (in the item's history)
+COMPENSATION_LOST = "compensation: WorkerLost"
+
+
+def _note_compensation_lost(rows: Sequence[dict]) -> None:
+    ItemAttempt.objects.bulk_create(
+        ItemAttempt(
+            item_id=r["pk"],
+            attempt=r["compensation_attempt"],
+            owner=r["owner"],
+            error_class=COMPENSATION_LOST,
+            error="its worker died or stopped renewing the lease mid-compensation",
+            finished_at=DbNow(),
+        )
+        for r in rows
+    )
+
+
+def _compensation_slots(run_id: int, rows: Sequence[dict], sign: int) -> None:
+    """Move the run's compensation budget and the pools' counters: run first, then pools."""
+    if not rows:
+        return
+    BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") + sign * len(rows))
+    _adjust(Counter(), Counter(r["pool"] for r in rows), sign)
+
+
+def claim_compensations(
+    run_id: int, rows: Sequence[dict], owner: str, token: uuid.UUID, lease_seconds: float
+) -> int:
+    """Due compensations take a slot of the run's compensation budget and of their pool, and
+    begin an attempt. The caller holds the run's and the pools' locks."""
+    if not rows:
+        return 0
+    n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+        compensation_attempt=F("compensation_attempt") + 1,
+        **_held(owner, token, lease_seconds),
+    )
+    _compensation_slots(run_id, rows, +1)
+    return n
+
+
+def _held(owner: str, token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
+    return dict(claim_token=token, owner=owner[:200], lease_expires_at=db_now_plus(lease_seconds))
+
+
+def retake_compensations(
+    rows: Sequence[dict], owner: str, token: uuid.UUID, lease_seconds: float
+) -> int:
+    """Compensations whose worker died go to a new owner: they keep their slots and their
+    attempt (a crash is not the compensation's fault), and the crash joins their history."""
+    if not rows:
+        return 0
+    _note_compensation_lost(rows)
+    return ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+        **_held(owner, token, lease_seconds)
+    )
+
+
+def compensation_lost(run_id: int, rows: Sequence[dict], crash_budget: int) -> int:
+    """Compensations whose workers kept dying (more than ``crash_budget`` in one attempt)
+    fail for good and give their slots back."""
+    if not rows:
+        return 0
+    _note_compensation_lost(rows)
+    n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+        status=ItemStatus.COMPENSATION_FAILED,
+        claim_token=None,
+        lease_expires_at=None,
+        error=f"WorkerLost: {crash_budget + 1} workers died running its compensation "
+        f"(crash_budget={crash_budget})",
+    )
+    _compensation_slots(run_id, rows, -1)
+    return n
+
+
+def compensated(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) -> list[int]:
+    """Write the outcomes of compensations still held under ``token``; return the pks written.
+
+    Succeeded: the item is compensated. A permanent error, or attempts used up: its
+    compensation failed (it stays visible; an operator can retry it). A retry waits out its
+    backoff; Throttled (or a release) waits with no attempt used. Each gives its slots back.
+    """
+    with transaction.atomic(savepoint=False):
+        pks = [o.pk for o in outcomes]
+        held = list(
+            ItemClaim.objects.filter(pk__in=pks, claim_token=token, status=ItemStatus.COMPENSATING)
+            .select_for_update()
+            .values("pk", "pool", "owner", "compensation_attempt")
+        )
+        by_pk = {r["pk"]: r for r in held}
+        mine = [o for o in outcomes if o.pk in by_pk]
+        for o in mine:
+            _compensation_outcome(o, by_pk[o.pk])
+        _compensation_slots(run_id, held, -1)
+    return [o.pk for o in mine]
+
+
+def _compensation_outcome(o: ExecutionOutcome, row: dict) -> None:
+    item = ItemClaim.objects.filter(pk=o.pk)
+    free = dict(claim_token=None, lease_expires_at=None)
+    if o.kind in (FAILED, RETRY):
+        ItemAttempt.objects.create(
+            item_id=o.pk,
+            attempt=row["compensation_attempt"],
+            owner=row["owner"],
+            finished_at=DbNow(),
+            error_class=f"compensation: {o.error_class}",
+            error=o.error,
+        )
+    if o.kind == SUCCEEDED:
+        item.update(status=ItemStatus.COMPENSATED, **free)
+    elif o.kind == FAILED:
+        item.update(status=ItemStatus.COMPENSATION_FAILED, error=o.error, **free)
+    elif o.kind == RETRY:
+        item.update(next_attempt_at=db_now_plus(o.retry_after), **free)
+    else:  # THROTTLED, RELEASED: waiting is not a failure, and uses no attempt
+        item.update(
+            compensation_attempt=F("compensation_attempt") - 1,
+            next_attempt_at=db_now_plus(o.retry_after),
+            **free,
+        )
