@@ -206,9 +206,7 @@ class ItemClaimQuerySet(models.QuerySet["ItemClaim"]):
         return self.filter(status__in=TERMINAL_ITEM_STATUSES)
 
     def unfinished(self) -> ItemClaimQuerySet:
-        return self.filter(
-            status__in=(ItemStatus.PENDING, ItemStatus.RUNNING, ItemStatus.WAITING)
-        )
+        return self.filter(status__in=(ItemStatus.PENDING, ItemStatus.RUNNING, ItemStatus.WAITING))
 
 
 class ItemClaim(models.Model):
