@@ -1,4 +1,10 @@
-"""Compensate: undo the items of a failed run that succeeded, durably, like the items themselves.
+"""Compensate: the policy of an item's second phase, which undoes the items of a failed run
+that succeeded. Which items (those that succeeded), which function (``compensate(item,
+result)``), which order and budget: the rest is the item path's. The claim is
+``claim.claim_compensations`` (the same pool admission, host limit and crash budget as an
+item's), the call is ``run.execute`` (Throttled, PermanentError, retries with backoff), the
+lease is the worker's LeaseKeeper (so a compensation past its ``timeout`` is taken over), and
+the writes are named transitions (``transitions.items.compensate``, ``compensated``, ...).
 
 A FanOut with ``compensate=`` whose run fails (fail-fast, a threshold, a join mode not met, a join
 that raised), or that an operator cancels with compensation, enters ``compensating``: every item
