@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
 from django.db.models import Count, F
@@ -39,6 +39,9 @@ from .models import (
 )
 from .pools import Headroom, headroom, refill
 from .transitions import ClaimedItem
+
+if TYPE_CHECKING:
+    from .definition import FanOut
 
 __all__ = ["ClaimResult", "ClaimedItem", "claim", "lock_run"]
 
@@ -552,7 +555,7 @@ REVERSE = "reverse"
 _UNDO_FIELDS = ("pk", "key", "index", "payload", "pool", "result", "owner", "claim_token")
 
 
-def claim_compensations(run_id: int, definition: Any, owner: str) -> ClaimResult:
+def claim_compensations(run_id: int, definition: FanOut, owner: str) -> ClaimResult:
     """Take the compensation the order and the budget allow, in one short transaction.
 
     The same admission as an item's: the run's lock, then its pools' (concurrency, rate
@@ -585,7 +588,7 @@ def claim_compensations(run_id: int, definition: Any, owner: str) -> ClaimResult
 class _Undo(_Claim):
     """A claim of compensations: _Claim's admission over a compensating run's items."""
 
-    def __init__(self, run_id: int, run: dict[str, Any], owner: str, definition: Any) -> None:
+    def __init__(self, run_id: int, run: dict[str, Any], owner: str, definition: FanOut) -> None:
         lease, budget = definition.lease_seconds, definition.crash_budget
         super().__init__(run_id, run, owner, lease, budget, None)
         self.reverse = definition.compensate_order == REVERSE
@@ -665,7 +668,8 @@ class _Undo(_Claim):
             return
         if self.blocked:
             result.reason = "; ".join(f"{n}: {self.rooms[n].reason}" for n in sorted(self.blocked))
-            times = [self.rooms[n].until for n in self.blocked if self.rooms[n].until]
+            until = [self.rooms[n].until for n in self.blocked]
+            times = [t for t in until if t is not None]
             result.retry_at = min(times) if times else None
         elif self.host_room is not None and self.host_room <= 0:
             result.reason = self.host_reason
@@ -691,12 +695,11 @@ def _compensation_crashes(cand: dict) -> int:
 def _next_compensation(run_id: int) -> datetime | None:
     """When the run's next compensation becomes claimable (a retry due, a lease running out)."""
     comp = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.COMPENSATING)
+    due = comp.filter(claim_token__isnull=True).order_by("next_attempt_at")
+    lease = comp.filter(claim_token__isnull=False).order_by("lease_expires_at")
     times = [
-        comp.filter(claim_token__isnull=True).order_by("next_attempt_at"),
-        comp.filter(claim_token__isnull=False).order_by("lease_expires_at"),
+        due.values_list("next_attempt_at", flat=True).first(),
+        lease.values_list("lease_expires_at", flat=True).first(),
     ]
-    found = [qs.values_list(f, flat=True).first() for qs, f in zip(times, _DUE_FIELDS, strict=True)]
-    return min((t for t in found if t is not None), default=None)
-
-
-_DUE_FIELDS = ("next_attempt_at", "lease_expires_at")
+    found = [t for t in times if t is not None]
+    return min(found) if found else None

@@ -141,17 +141,18 @@ def record(
     """Write one compensation's outcome if this worker still holds it; give its slots back.
 
     ``outcome`` may also be (succeeded, error class, error), as a retry or failure is told."""
-    if isinstance(outcome, tuple):
-        outcome = _told(definition, item, *outcome)
+    done = _told(definition, item, *outcome) if isinstance(outcome, tuple) else outcome
     with transaction.atomic():
-        written = bool(compensated(run_id, token, [outcome]))
-        if written and outcome.kind == THROTTLED and outcome.pool:
+        written = bool(compensated(run_id, token, [done]))
+        if written and done.kind == THROTTLED and done.pool:
             # The provider said so: the whole pool waits, not just this compensation.
-            throttle_pool(outcome.pool, outcome.retry_after)
+            throttle_pool(done.pool, done.retry_after)
     return written
 
 
-def _told(definition: FanOut, item: ClaimedItem, ok: bool, error_class: str, error: str) -> Any:
+def _told(
+    definition: FanOut, item: ClaimedItem, ok: bool, error_class: str, error: str
+) -> ExecutionOutcome:
     kind = SUCCEEDED if ok else RETRY if item.attempt < definition.max_attempts else FAILED
     after = backoff(definition, item.attempt) if kind == RETRY else 0.0
     return ExecutionOutcome(item.pk, item.key, kind, item.pool, None, error, error_class, after)

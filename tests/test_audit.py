@@ -166,7 +166,7 @@ def test_drift_found_again_after_a_correction_is_counted_again() -> None:
 
 def test_a_compensation_under_way_holds_its_pool_slot_in_the_audits_count() -> None:
     run, pool = pool_run(held=1)
-    # A compensation claimed in the pool (as compensate._admit_pools leaves it) holds a slot.
+    # A compensation claimed in the pool (as claim.claim_compensations leaves it) holds a slot.
     item = ItemClaim.objects.filter(run=run, status="pending").first()
     assert item is not None
     ItemClaim.objects.filter(pk=item.pk).update(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -642,7 +642,7 @@ def _note_compensation_lost(rows: Sequence[dict]) -> None:
     )
 
 
-def _compensation_slots(run_id: int, rows: Sequence[dict], sign: int) -> None:
+def _compensation_slots(run_id: int, rows: Sequence[Mapping[str, Any]], sign: int) -> None:
     """Move the run's compensation budget and the pools' counters: run first, then pools."""
     if not rows:
         return
@@ -721,7 +721,7 @@ def compensated(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutco
     return [o.pk for o in mine]
 
 
-def _compensation_outcome(o: ExecutionOutcome, row: dict) -> None:
+def _compensation_outcome(o: ExecutionOutcome, row: Mapping[str, Any]) -> None:
     item = ItemClaim.objects.filter(pk=o.pk)
     free = dict(claim_token=None, lease_expires_at=None)
     if o.kind in (FAILED, RETRY):
