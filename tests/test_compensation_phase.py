@@ -8,13 +8,16 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fanout import compensate
+from fanout.clock import db_now
 from fanout.definition import get_definition
+from fanout.dispatch import prepare_run
 from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import cancel_run
 from tests.procs import wait_until
 from tests.rq.conftest import _descendants, processes, redis, redis_url  # noqa: F401
 from tests.rq.support import describe_runs
@@ -66,37 +69,63 @@ def ended(run_id: int, timeout: float) -> BatchRun:
 
 def test_compensations_through_a_rate_limited_pool_start_no_faster_than_its_bucket_allows(
     processes: Any,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
+    # Charges go through at once; then the pool is 20/s (burst 5), and three fail-fast runs
+    # fail together: their refunds, 8 at once per run, share the pool's one bucket.
     CapacityPool.objects.create(
-        name=RATE_POOL, max_concurrency=50, rate_count=RATE, rate_period=1.0, burst=BURST
+        name=RATE_POOL, max_concurrency=50, rate_count=1000, rate_period=1.0, burst=1000
     )
     processes.workers(2)
-    # A run that fails fast at its last item, and another run calling through the same pool
-    # all the while: the bucket is shared by every call of the pool, refunds included.
-    run = get_definition("phase_rate").start(
-        {"n": 40, "failing": ["p00039"], "undo_sleep": 0.02}, executor="rq", wait=False
+    go = tmp_path / "fail"
+    params = {"n": 40, "failing": ["p00039"], "fail_file": str(go), "undo_sleep": 0.02}
+    rate = get_definition("phase_rate")
+    runs = [rate.start(params, uuid.uuid4().hex, executor="rq", wait=False) for _ in range(3)]
+    charged = ItemClaim.objects.filter(run__in=runs, status=ItemStatus.SUCCEEDED)
+    try:
+        wait_until(lambda: charged.count() == 3 * 39, 60, "every charge but the failing ones")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{describe_runs()}") from None
+    CapacityPool.objects.filter(name=RATE_POOL).update(
+        rate_count=RATE, burst=BURST, tokens=BURST, tokens_at=db_now()
     )
-    other = get_definition("phase_rate_forward").start({"n": 400}, executor="rq", wait=False)
+    go.touch()
 
-    run = ended(run.pk, 120)
-    cancel_run(BatchRun.objects.get(pk=other.pk), "the test is over")
+    ends = [ended(run.pk, 120) for run in runs]
 
-    assert run.status == RunStatus.COMPENSATED, describe_runs()
-    undone = undo_calls(run)
-    assert len(undone) == 39 and len({u.key for u in undone}) == 39
-    # Every call the pool admitted while the refunds ran, whichever run it was for.
-    since, until = undone[0].started, max(u.started for u in undone)
-    calls = Execution.objects.filter(pool=RATE_POOL, started__gte=since, started__lte=until)
-    starts = list(calls.values_list("started", flat=True))
+    assert {run.status for run in ends} == {RunStatus.COMPENSATED}, describe_runs()
+    starts = []
+    for run in ends:
+        undone = undo_calls(run)
+        assert len(undone) == 39 and len({u.key for u in undone}) == 39
+        starts += [u.started for u in undone]
     # Admissions in any window of T seconds never exceed burst + rate × T; a start is taken a
     # moment after its admission, so the window is widened by that moment's worth.
     for seconds in (0.5, 1.0, 2.0, 3.0):
         allowed = BURST + RATE * (seconds + 0.1)
         seen = most_in_a_window(starts, seconds)
-        assert seen <= allowed, (seconds, sorted(starts))
+        assert seen <= allowed, f"{seen} refunds in {seconds}s, the bucket allows {allowed:g}"
     pool = CapacityPool.objects.get(name=RATE_POOL)
     assert pool.tokens is not None and pool.tokens >= 0
-    assert BatchRun.objects.get(pk=run.pk).compensating == 0
+    assert [BatchRun.objects.get(pk=run.pk).compensating for run in runs] == [0, 0, 0]
+
+
+def test_a_compensation_waits_for_a_token_of_its_pools_bucket() -> None:
+    # One call an hour, and the bucket spent: nothing of the pool may start for an hour.
+    CapacityPool.objects.create(name=RATE_POOL, max_concurrency=10, rate_count=1, rate_period=3600)
+    definition = get_definition("phase_rate")
+    run = prepare_run(definition, {"n": 1}, uuid.uuid4().hex)
+    ItemClaim.objects.filter(run=run).update(status=ItemStatus.SUCCEEDED, result={"charged": 1})
+    CapacityPool.objects.filter(name=RATE_POOL).update(tokens=0.0, tokens_at=db_now())
+    assert compensate.begin(run.pk, "failed on purpose")
+
+    taken = compensate.claim(run.pk, definition, "host:1:worker")
+
+    assert taken.items == []
+    assert taken.reason.startswith(f"{RATE_POOL}: rate limited until"), taken.reason
+    assert taken.retry_in is not None and taken.retry_in > 50 * 60
+    pool = CapacityPool.objects.get(name=RATE_POOL)
+    assert (pool.in_flight, pool.tokens) == (0, 0.0)
 
 
 def test_a_throttled_compensation_waits_with_its_pool_and_uses_no_attempt() -> None:

@@ -4,6 +4,7 @@ Every forward call is in the Execution ledger under its key, every compensation 
 "undo:<key>", each with its start and end time. Params (all optional):
   n               items (keys p00000, p00001, ...), default 10
   failing         keys whose charge raises PermanentError: the run fails (fast) and compensates
+  fail_file       a failing charge raises only once this file exists (60 s at most)
   sleep           seconds each charge sleeps
   undo_sleep      seconds each refund sleeps
   undo_first      {key: seconds}: the key's first refund sleeps that long (past a timeout, or
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from fanout import FanOut, Item, PermanentError, Throttled
@@ -51,6 +53,10 @@ def charge(item: Item) -> dict[str, Any]:
         )
         time.sleep(float(item.params.get("sleep", 0)))
         if item.key in item.params.get("failing", []):
+            if item.params.get("fail_file"):
+                deadline = time.monotonic() + 60
+                while not Path(item.params["fail_file"]).exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             raise PermanentError(f"{item.key} declined")
         return {"charged": item.key}
     finally:
@@ -98,16 +104,6 @@ FanOut(
     compensate_max_parallel=8,
     lease_seconds=5,
     **phase,
-)
-# Another run's calls through the same rate-limited pool, while the first compensates.
-FanOut(
-    "phase_rate_forward",
-    pool=RATE_POOL,
-    max_parallel=8,
-    over=lambda p: range(int(p.get("n", 10))),
-    key=lambda i: f"f{i:05d}",
-    do=charge,
-    lease_seconds=5,
 )
 # Refunds one after another, latest first; a refund may outlive its 1 s timeout.
 FanOut("phase_reverse", max_parallel=4, timeout=1, lease_seconds=1, **phase)
