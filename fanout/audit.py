@@ -53,10 +53,7 @@ def run_slots(run_id: int) -> int:
 def pool_slots(name: str) -> int:
     """What the pool's in_flight counts: its running items, and compensations under way
     (claimed and not yet recorded: a takeover keeps the slot its dead worker held)."""
-    held = Q(status=ItemStatus.RUNNING) | Q(
-        status=ItemStatus.COMPENSATING, claim_token__isnull=False
-    )
-    return ItemClaim.objects.filter(pool=name).filter(held).count()
+    return ItemClaim.objects.filter(pool=name).holding_pool_slots().count()
 
 
 def measure_run(run_id: int) -> tuple[int, int] | None:
@@ -79,17 +76,48 @@ def measure_pool(name: str) -> tuple[int, int] | None:
     return int(counter), pool_slots(name)
 
 
+def compensation_slots(run_id: int) -> int:
+    """What the run's compensating counts: its compensations under way (claimed, not yet
+    recorded)."""
+    items = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.COMPENSATING)
+    return items.filter(claim_token__isnull=False).count()
+
+
+def measure_compensating(run_id: int) -> tuple[int, int] | None:
+    """(counter, rows) of a run's compensation budget, read under its lock; None if gone."""
+    run = lock_run(run_id)
+    if run is None:
+        return None
+    return int(run["compensating"]), compensation_slots(run_id)
+
+
 def audit_run(run_id: int) -> Drift | None:
-    """Recount one run's in_flight under its lock; correct and report a difference."""
+    """Recount one run's in_flight and compensating under its lock; correct and report a
+    difference (in_flight's first, if both differ)."""
     with transaction.atomic():
         found = measure_run(run_id)
-        if found is None or found[0] == found[1]:
+        budget = measure_compensating(run_id)
+        if found is None or budget is None:
             return None
-        counter, rows = found
+        drifts = []
+        if found[0] != found[1]:
+            drifts.append(("in_flight", found))
+        if budget[0] != budget[1]:
+            drifts.append(("compensating", budget))
+        if not drifts:
+            return None
         runs = BatchRun.objects.filter(pk=run_id)
-        runs.update(in_flight=rows, counter_drift=F("counter_drift") + 1, drift_noted_at=DbNow())
+        corrected = {field: rows for field, (_, rows) in drifts}
+        runs.update(counter_drift=F("counter_drift") + 1, drift_noted_at=DbNow(), **corrected)
         definition = runs.values_list("definition", flat=True).first() or ""
-    return _report(Drift("run", str(run_id), definition, counter, rows))
+    reports = [
+        _report(Drift("run", _run_name(run_id, f), definition, c, r)) for f, (c, r) in drifts
+    ]
+    return reports[0]
+
+
+def _run_name(run_id: int, counter: str) -> str:
+    return str(run_id) if counter == "in_flight" else f"{run_id} compensating"
 
 
 def audit_pool(name: str) -> Drift | None:

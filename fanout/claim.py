@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
 from django.db.models import Count, F
@@ -28,9 +28,20 @@ from . import transitions
 from .clock import db_now
 from .conf import conf, host_name
 from .errors import HostLockBusy
-from .models import BatchRun, CapacityPool, FailurePolicy, ItemClaim, ItemStatus, RunStatus
+from .models import (
+    BatchRun,
+    CapacityPool,
+    FailurePolicy,
+    ItemAttempt,
+    ItemClaim,
+    ItemStatus,
+    RunStatus,
+)
 from .pools import Headroom, headroom, refill
 from .transitions import ClaimedItem
+
+if TYPE_CHECKING:
+    from .definition import FanOut
 
 __all__ = ["ClaimResult", "ClaimedItem", "claim", "lock_run"]
 
@@ -57,6 +68,8 @@ class ClaimResult:
     full: list[str] = field(default_factory=list)
     # What the ``before`` step returned.
     before: Any = None
+    # Compensations: the result of each claimed item, which its compensation undoes.
+    results: dict[int, Any] = field(default_factory=dict)
 
     @property
     def run_open(self) -> bool:
@@ -325,8 +338,11 @@ class _Claim:
             if self.rooms[name].count <= 0:
                 self.blocked.add(name)
 
+    def _expired(self, cand: dict) -> bool:
+        return cand["status"] == ItemStatus.RUNNING
+
     def _admit(self, cand: dict) -> None:
-        expired = cand["status"] == ItemStatus.RUNNING
+        expired = self._expired(cand)
         # An expired item's owner died now; a pending one may have been given back by a reaper.
         if cand["crashes"] + expired > self.crash_budget:
             self.lost.append(cand)
@@ -394,6 +410,17 @@ class _Claim:
             args = (self.owner, result.token, self.lease_seconds, self.now)
             transitions.reclaim(self.reclaimed, *args)
             transitions.start(self.run_id, self.fresh, *args)
+        self._save_pools(admitted)
+        admitted.sort(key=lambda c: c["index"])
+        result.items = [
+            ClaimedItem(
+                c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"], self.now
+            )
+            for c in admitted
+        ]
+
+    def _save_pools(self, admitted: list[dict]) -> None:
+        """Write back what admission changed on the locked pool rows: tokens, waiters."""
         for name, pool in self.pools.items():
             changed: dict[str, Any] = {}
             if pool.tokens is not None and any(c["pool"] == name for c in admitted):
@@ -402,13 +429,6 @@ class _Claim:
                 changed["waiters"] = pool.waiters
             if changed:
                 CapacityPool.objects.filter(pk=pool.pk).update(**changed)
-        admitted.sort(key=lambda c: c["index"])
-        result.items = [
-            ClaimedItem(
-                c["pk"], c["key"], c["index"], c["payload"], c["pool"], c["attempt"], self.now
-            )
-            for c in admitted
-        ]
 
     def _explain(self, result: ClaimResult, limit: int) -> None:
         if len(result.items) >= limit and result.items:
@@ -459,7 +479,7 @@ def _pool_runs(names: list[str]) -> dict[str, Counter[int]]:
     A new statement after the pools' locks are held, so it sees what committed meanwhile.
     """
     rows = (
-        ItemClaim.objects.running()
+        ItemClaim.objects.holding_pool_slots()
         .filter(pool__in=names)
         .values("pool", "run_id")
         .annotate(n=Count("pk"))
@@ -527,3 +547,159 @@ def _next_due(run_id: int, now: datetime) -> datetime | None:
     )
     times = [t for t in (retry, lease) if t is not None]
     return min(times) if times else None
+
+
+# --- the claim of an item's second phase: its compensation --------------------------------
+
+REVERSE = "reverse"
+_UNDO_FIELDS = ("pk", "key", "index", "payload", "pool", "result", "owner", "claim_token")
+
+
+def claim_compensations(run_id: int, definition: FanOut, owner: str) -> ClaimResult:
+    """Take the compensation the order and the budget allow, in one short transaction.
+
+    The same admission as an item's: the run's lock, then its pools' (concurrency, rate
+    tokens, a Throttled backoff, pause, fair share), the host limit and the crash budget.
+    What differs is data: the budget (``compensate_max_parallel``, counted by the run's
+    ``compensating``), the order (strictly one at a time, latest finished first, for
+    ``compensate_order="reverse"``), and the attempt number (``compensation_attempt``).
+    One per claim: each worker thread runs one compensation at a time, so the budget is
+    spread over threads instead of queued behind one.
+    """
+    most = definition.host_max_parallel
+    with host_lock((f"{definition.name}:compensate", most) if most else None):
+        with transaction.atomic():
+            run = lock_run(run_id)
+            if run is None or run["status"] != RunStatus.COMPENSATING:
+                status = run["status"] if run else "deleted"
+                return ClaimResult(None, run_status=status, reason=f"run {status}")
+            transitions.compensate(run_id)  # items that succeeded since are undone too
+            items = ItemClaim.objects.filter(run_id=run_id)
+            if items.holding_run_slots().exists():
+                # Strict reverse order needs every forward item finished first.
+                reason = "waiting for running items to finish"
+                return ClaimResult(None, run_status=run["status"], reason=reason)
+            taking = _Undo(run_id, run, owner, definition)
+            if most:
+                taking.limit_host(definition.name, most)
+            return taking.take(1)
+
+
+class _Undo(_Claim):
+    """A claim of compensations: _Claim's admission over a compensating run's items."""
+
+    def __init__(self, run_id: int, run: dict[str, Any], owner: str, definition: FanOut) -> None:
+        lease, budget = definition.lease_seconds, definition.crash_budget
+        super().__init__(run_id, run, owner, lease, budget, None)
+        self.reverse = definition.compensate_order == REVERSE
+        most = 1 if self.reverse else definition.compensate_max_parallel or run["max_parallel"]
+        self.room = most - run["compensating"]
+        self.order = ("-finished_at", "-index") if self.reverse else ("index",)
+
+    def limit_host(self, definition: str, most: int) -> None:
+        """Compensations count apart from items on a host (a lock of their own)."""
+        host = host_name()
+        live = (
+            ItemClaim.objects.filter(run__definition=definition, claim_token__isnull=False)
+            .filter(status=ItemStatus.COMPENSATING, lease_expires_at__gt=self.now)
+            .filter(owner__startswith=f"{host}:")
+            .count()
+        )
+        self.host_room = most - live
+        self.host_reason = f"host {host} at host_max_parallel for compensations ({live}/{most})"
+
+    def _expired(self, cand: dict) -> bool:
+        return cand["claim_token"] is not None
+
+    def _candidates(self, limit: int) -> list[dict]:
+        if self.fresh or self.reclaimed or self.lost:
+            return []  # one per claim
+        comp = ItemClaim.objects.filter(run_id=self.run_id, status=ItemStatus.COMPENSATING)
+        # A compensation whose worker died is taken over first; it keeps its budget slot.
+        found = self._pick(comp.filter(claim_token__isnull=False, lease_expires_at__lte=self.now))
+        if not found and self.room > 0:
+            due = comp.filter(claim_token__isnull=True)
+            if not self.reverse:
+                due = due.filter(next_attempt_at__lte=self.now)
+            found = self._pick(due)
+            if self.reverse and found and found[0]["next_attempt_at"] > self.now:
+                found = []  # strictly in order: the next one's retry is not due yet
+        for cand in found:
+            cand["crashes"] = _compensation_crashes(cand) if cand["claim_token"] else 0
+        return found
+
+    def _pick(self, qs: Any) -> list[dict]:
+        if self.blocked and not self.reverse:
+            qs = qs.exclude(pool__in=self.blocked)  # another pool's may be admitted
+        fields = (*_UNDO_FIELDS, "next_attempt_at", "compensation_attempt")
+        qs = qs.order_by(*self.order).select_for_update(skip_locked=True)
+        return list(qs.values(*fields)[:1])
+
+    def _apply(self, result: ClaimResult) -> None:
+        if self.lost:
+            transitions.compensation_lost(self.run_id, self.lost, self.crash_budget)
+            result.crashed_out = len(self.lost)
+        admitted = self.reclaimed + self.fresh
+        if admitted:
+            result.token = uuid.uuid4()
+            args = (self.owner, result.token, self.lease_seconds)
+            transitions.retake_compensations(self.reclaimed, *args)
+            transitions.claim_compensations(self.run_id, self.fresh, *args)
+            for c in self.fresh:
+                c["compensation_attempt"] += 1  # a fresh claim begins an attempt
+        self._save_pools(admitted)
+        result.items = [
+            ClaimedItem(
+                c["pk"],
+                c["key"],
+                c["index"],
+                c["payload"],
+                c["pool"],
+                c["compensation_attempt"],
+                self.now,
+            )
+            for c in admitted
+        ]
+        result.results = {c["pk"]: c["result"] for c in admitted}
+        result.run_status = RunStatus.COMPENSATING
+
+    def _explain(self, result: ClaimResult, limit: int) -> None:
+        if result.items:
+            return
+        if self.blocked:
+            result.reason = "; ".join(f"{n}: {self.rooms[n].reason}" for n in sorted(self.blocked))
+            until = [self.rooms[n].until for n in self.blocked]
+            times = [t for t in until if t is not None]
+            result.retry_at = min(times) if times else None
+        elif self.host_room is not None and self.host_room <= 0:
+            result.reason = self.host_reason
+        elif self.room <= 0:
+            result.reason = f"at the compensation budget ({self.run['compensating']} under way)"
+        else:
+            result.reason = "no compensation due"
+        if result.retry_at is None:
+            result.retry_at = _next_compensation(self.run_id)
+        if result.retry_at is not None:
+            result.retry_in = max(0.0, (result.retry_at - self.now).total_seconds())
+
+
+def _compensation_crashes(cand: dict) -> int:
+    """Workers that died running this attempt of the compensation (noted in its history)."""
+    return ItemAttempt.objects.filter(
+        item_id=cand["pk"],
+        attempt=cand["compensation_attempt"],
+        error_class=transitions.COMPENSATION_LOST,
+    ).count()
+
+
+def _next_compensation(run_id: int) -> datetime | None:
+    """When the run's next compensation becomes claimable (a retry due, a lease running out)."""
+    comp = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.COMPENSATING)
+    due = comp.filter(claim_token__isnull=True).order_by("next_attempt_at")
+    lease = comp.filter(claim_token__isnull=False).order_by("lease_expires_at")
+    times = [
+        due.values_list("next_attempt_at", flat=True).first(),
+        lease.values_list("lease_expires_at", flat=True).first(),
+    ]
+    found = [t for t in times if t is not None]
+    return min(found) if found else None

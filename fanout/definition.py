@@ -32,11 +32,19 @@ class Item:
     run_id: int
     pool: str = ""
     params: Mapping[str, Any] = field(default_factory=dict)
+    # What the call does: "forward" (the handler, ``do``) or "compensation" (``compensate``).
+    phase: str = "forward"
 
     @property
     def idempotency_key(self) -> str:
-        """Stable across attempts and workers: hand it to the provider to deduplicate."""
-        return str(uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{self.run_id}:{self.key}"))
+        """Stable across attempts and workers: hand it to the provider to deduplicate.
+
+        A compensation has a key of its own: the refund must not be taken by the provider for
+        a repeat of the charge it undoes."""
+        name = f"{self.run_id}:{self.key}"
+        if self.phase != "forward":
+            name = f"{name}:{self.phase}"
+        return str(uuid.uuid5(_IDEMPOTENCY_NAMESPACE, name))
 
     def spawn(self, definition: FanOut | str, params: Mapping[str, Any] | None = None) -> Spawn:
         """Hand this item to a child run of ``definition``; return what the handler returns.

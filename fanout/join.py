@@ -10,14 +10,15 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from django.db.models import Count, F, Q
+from django.db.models import Count, F
 
-from .clock import DbNow, db_now_plus
+from .clock import db_now_plus
 from .conf import conf
 from .definition import FanOut, Outcome, get_definition
 from .errors import DefinitionNotFound
 from .lease import keep_alive
 from .models import BatchRun, FailurePolicy, ItemClaim, ItemStatus, JoinMode, RunStatus
+from .transitions import runs
 
 logger = logging.getLogger("fanout")
 
@@ -99,17 +100,7 @@ def conclude(run_id: int, token: uuid.UUID, definition: FanOut | None = None) ->
         logger.info("run %s failed: compensating %s", run_id, counts)
         return True
     # Only a run still joining ends here: one an operator cancelled meanwhile stays cancelled.
-    ended = BatchRun.objects.filter(pk=run_id, join_token=token, status=RunStatus.JOINING).update(
-        status=status,
-        join_result=result,
-        error=error,
-        join_failures=0,
-        finished_at=DbNow(),
-        join_token=None,
-        join_lease_expires_at=None,
-        stalled="",  # a stale drain failure noted after a worker ran it says nothing now
-    )
-    if not ended:
+    if not runs.end(run_id, status, token, result, error):
         logger.info("run %s ended while it was being joined: the join is not recorded", run_id)
         return False
     logger.info("run %s joined: %s %s", run_id, status, counts)
@@ -160,22 +151,11 @@ def _elect(run_id: int) -> uuid.UUID | None:
     if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
         return None
     token = uuid.uuid4()
-    won = (
-        BatchRun.objects.filter(pk=run_id, status__in=(RunStatus.RUNNING, RunStatus.JOINING))
-        .filter(Q(join_token__isnull=True) | Q(join_lease_expires_at__lte=DbNow()))
-        .update(
-            status=RunStatus.JOINING,
-            join_token=token,
-            join_lease_expires_at=db_now_plus(float(conf.JOIN_LEASE_SECONDS)),
-        )
-    )
-    if not won:
+    if not runs.join(run_id, token, float(conf.JOIN_LEASE_SECONDS)):
         return None
     if ItemClaim.objects.filter(run_id=run_id).unfinished().exists():
         # An item was reopened (retry-failed) between the check and the update.
-        BatchRun.objects.filter(pk=run_id, join_token=token, status=RunStatus.JOINING).update(
-            status=RunStatus.RUNNING, join_token=None, join_lease_expires_at=None
-        )
+        runs.leave_join(run_id, token)
         return None
     return token
 

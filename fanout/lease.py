@@ -98,7 +98,7 @@ class LeaseKeeper:
             return 0
         return (
             ItemClaim.objects.filter(pk__in=list(live), claim_token__in=set(live.values()))
-            .in_flight()
+            .leased()
             .update(lease_expires_at=db_now_plus(self.lease_seconds))
         )
 

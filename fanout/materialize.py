@@ -39,6 +39,7 @@ from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
+from .transitions import runs
 
 logger = logging.getLogger("fanout")
 
@@ -222,16 +223,7 @@ def _fail_child(run: BatchRun, token: uuid.UUID, error: Exception) -> None:
     the database interrupted): the failed child decides that item by its run's failure policy,
     as any failed child does. A rerun of the parent item writes the child afresh
     (nest.start_child)."""
-    ended = BatchRun.objects.filter(
-        pk=run.pk, materialize_token=token, status=RunStatus.PENDING
-    ).update(
-        status=RunStatus.FAILED,
-        error=str(error),
-        finished_at=DbNow(),
-        materialize_token=None,
-        materialize_lease_expires_at=None,
-    )
-    if not ended:
+    if not runs.end_writing(run.pk, token, str(error)):
         return  # cancelled meanwhile (with its parent, say), or another writer took over
     from .nest import settle_up
     from .signals import run_finished, send
@@ -252,10 +244,7 @@ def _let_go(run: BatchRun, token: uuid.UUID) -> None:
 
 def _start(run: BatchRun, token: uuid.UUID, total: int) -> None:
     written = dict(total_items=total, materialize_token=None, materialize_lease_expires_at=None)
-    started = BatchRun.objects.filter(
-        pk=run.pk, materialize_token=token, status=RunStatus.PENDING
-    ).update(status=RunStatus.RUNNING, started_at=DbNow(), **written)
-    if not started:
+    if not runs.open(run.pk, token, **written):
         # Cancelled (say, with its parent) while its items were being written: the cancel
         # stands, and the items written since are cancelled with the others.
         BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(**written)

@@ -179,6 +179,21 @@ class ItemClaimQuerySet(models.QuerySet["ItemClaim"]):
         """Items that hold a slot of their pool (and of their run): running ones."""
         return self.filter(status=ItemStatus.RUNNING)
 
+    def holding_pool_slots(self) -> ItemClaimQuerySet:
+        """What a pool's in_flight counts: running items, and compensations under way
+        (claimed and not yet recorded: a takeover keeps the slot its dead worker held)."""
+        return self.filter(
+            Q(status=ItemStatus.RUNNING)
+            | Q(status=ItemStatus.COMPENSATING, claim_token__isnull=False)
+        )
+
+    def leased(self, now: datetime | None = None) -> ItemClaimQuerySet:
+        """Items or compensations whose lease is live: what a lease keeper renews."""
+        return self.filter(
+            status__in=(ItemStatus.RUNNING, ItemStatus.COMPENSATING),
+            lease_expires_at__gt=_now(now),
+        )
+
     def holding_run_slots(self) -> ItemClaimQuerySet:
         """What a run's in_flight counts: running items, and items waiting on a child run."""
         return self.filter(status__in=(ItemStatus.RUNNING, ItemStatus.WAITING))

@@ -15,16 +15,13 @@ import logging
 from collections.abc import Iterable
 
 from django.db import transaction
-from django.db.models import F
 
-from .clock import DbNow
 from .definition import Spawn, get_definition
 from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemClaim, ItemStatus, RunStatus
-from .transitions import ClaimedItem
+from .transitions import CHILD_FAILED as CHILD_FAILED
+from .transitions import ClaimedItem, items
 
 logger = logging.getLogger("fanout")
-
-CHILD_FAILED = "ChildRunFailed"  # error_class of an item whose child run failed or was cancelled
 
 
 def child_run_key(parent_run_id: int, item_key: str) -> str:
@@ -70,36 +67,18 @@ def resolve(child_run_id: int) -> int | None:
     child = BatchRun.objects.filter(pk=child_run_id).first()
     if child is None or child.parent_item_id is None or child.status not in TERMINAL_RUN_STATUSES:
         return None
+    item = ItemClaim.objects.filter(pk=child.parent_item_id).values("pk", "run_id", "key").first()
+    if item is None:
+        return None
+    why = (child.error or "").strip().splitlines()
+    failed = f"child run {child.pk} ({child.definition}) {child.status}" + (
+        f": {why[0]}" if why else ""
+    )
+    succeeded = child.status == RunStatus.SUCCEEDED
     with transaction.atomic():
-        item = (
-            ItemClaim.objects.select_for_update()
-            .filter(pk=child.parent_item_id, status=ItemStatus.WAITING)
-            .values("pk", "run_id", "key")
-            .first()
-        )
-        if item is None:
+        if not items.child_ended(item["pk"], item["run_id"], succeeded, child.join_result, failed):
             return None
-        decided = ItemClaim.objects.filter(pk=item["pk"])
-        if child.status == RunStatus.SUCCEEDED:
-            decided.update(
-                status=ItemStatus.SUCCEEDED,
-                result=child.join_result,
-                error="",
-                error_class="",
-                finished_at=DbNow(),
-            )
-        else:
-            why = (child.error or "").strip().splitlines()
-            decided.update(
-                status=ItemStatus.FAILED,
-                error=f"child run {child.pk} ({child.definition}) {child.status}"
-                + (f": {why[0]}" if why else ""),
-                error_class=CHILD_FAILED,
-                finished_at=DbNow(),
-            )
-        # The item gives its run slot back (it held no pool slot while it waited).
-        BatchRun.objects.filter(pk=item["run_id"]).update(in_flight=F("in_flight") - 1)
-        if child.status != RunStatus.SUCCEEDED:
+        if not succeeded:
             _fail_parent_by_policy(item["run_id"], item["key"])
     return item["run_id"]
 

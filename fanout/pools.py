@@ -11,7 +11,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 
+from .clock import db_now_plus
 from .conf import conf
 from .errors import FanoutError
 from .models import CapacityPool
@@ -194,3 +196,13 @@ def settings_drift(pool: CapacityPool) -> str:
     return (
         f"pool {pool.name!r} differs from FANOUT_POOLS: {', '.join(differs)}; the pool's row wins"
     )
+
+
+def throttle_pool(name: str, retry_after: float) -> None:
+    """The provider said to wait (Throttled): the whole pool admits nothing until then.
+
+    Only ever later: an earlier deadline does not shorten a wait another call was told."""
+    until = db_now_plus(retry_after)
+    CapacityPool.objects.filter(name=name).filter(
+        Q(backoff_until__isnull=True) | Q(backoff_until__lt=until)
+    ).update(backoff_until=until)

@@ -6,12 +6,11 @@ import uuid
 from dataclasses import dataclass
 
 from django.db import transaction
-from django.db.models import Q
 
 from . import transitions
-from .clock import db_now_plus
 from .definition import FanOut
-from .models import BatchRun, CapacityPool, FailurePolicy, ItemClaim, ItemStatus
+from .models import BatchRun, FailurePolicy, ItemClaim, ItemStatus
+from .pools import throttle_pool
 from .transitions import (
     FAILED,
     FAILED_FAST,
@@ -77,10 +76,7 @@ def record(
             if o.kind == THROTTLED and o.pool:
                 # The provider said so: the whole pool waits, not just this item. Its row is
                 # locked already (settle gave its slot back).
-                until = db_now_plus(o.retry_after)
-                CapacityPool.objects.filter(name=o.pool).filter(
-                    Q(backoff_until__isnull=True) | Q(backoff_until__lt=until)
-                ).update(backoff_until=until)
+                throttle_pool(o.pool, o.retry_after)
         failed = [o for o in mine if o.kind == FAILED]
         if failed and failure_policy == FailurePolicy.FAIL_FAST:
             fail_fast(run_id, failed[0].key)

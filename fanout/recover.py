@@ -6,15 +6,15 @@ import uuid
 from collections.abc import Iterable, Mapping
 
 from django.db import transaction
-from django.db.models import Case, F, PositiveIntegerField, QuerySet, When
+from django.db.models import QuerySet
 
 from . import transitions
 from .claim import lock_run
-from .clock import DbNow
 from .definition import get_definition
 from .errors import FanoutError
-from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemClaim, ItemStatus, RunStatus
+from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from .record import cancel_pending
+from .transitions import runs
 
 # Runs whose failed items may be retried: a pending run is still writing its items, and a
 # cancelled one was stopped by an operator, whom a retry must not overrule.
@@ -49,8 +49,9 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
         # and decide under that lock: a cancel that committed since the caller looked stands.
         # Its children are reopened only after that, under the same lock: a cancel of this run
         # waits for it and then cancels them, rather than leaving them running under it.
-        locked = lock_run(run.pk)
-        run.status = locked["status"] if locked is not None else "deleted"
+        if lock_run(run.pk) is None:
+            raise FanoutError(f"run {run.pk} cannot be retried: it was deleted")
+        run.refresh_from_db(fields=["status"])
         check_retryable(run)
         # Items whose child run failed wait on it again, once its own failed items are
         # reopened: the child's succeeded items never run again, at any depth.
@@ -65,20 +66,7 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
         count = transitions.rewait(run.pk, rewait)
         count += transitions.reopen(qs.exclude(pk__in=rewait))
         if count:
-            BatchRun.objects.filter(pk=run.pk).exclude(status=RunStatus.PENDING).update(
-                # A run that had ended starts a new span of its trace (fanout.telemetry).
-                reopened=Case(
-                    When(status__in=TERMINAL_RUN_STATUSES, then=F("reopened") + 1),
-                    default=F("reopened"),
-                    output_field=PositiveIntegerField(),
-                ),
-                status=RunStatus.RUNNING,
-                finished_at=None,
-                join_token=None,
-                join_lease_expires_at=None,
-                join_failures=0,
-                error="",
-            )
+            runs.reopen(run.pk)
     run.refresh_from_db()
     return count
 
@@ -104,9 +92,7 @@ def cancel_run(
         run.refresh_from_db()
         return count
     with transaction.atomic():
-        updated = BatchRun.objects.filter(
-            pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
-        ).update(status=RunStatus.CANCELLED, finished_at=DbNow(), error=reason, stalled="")
+        updated = runs.cancel(run.pk, reason)
         count = cancel_pending(run.pk, reason) if updated else 0
     if updated:
         from .nest import cancel_children, settle_up

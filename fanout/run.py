@@ -101,10 +101,20 @@ def _spawned(
     return outcome
 
 
+COMPENSATION = "compensation"
+
+
 def execute(
-    definition: FanOut, run_id: int, params: dict[str, Any], claimed: ClaimedItem
+    definition: FanOut,
+    run_id: int,
+    params: dict[str, Any],
+    claimed: ClaimedItem,
+    undoing: tuple[Any] | None = None,
 ) -> ExecutionOutcome:
-    """Run the handler once; never raise for what the handler does."""
+    """Run the handler once; never raise for what the handler does.
+
+    With ``undoing`` (the item's result, in a tuple), run its compensation instead: the same
+    outcomes (Throttled, PermanentError, a retry with backoff), its value is not kept."""
     item = Item(
         key=claimed.key,
         index=claimed.index,
@@ -113,10 +123,15 @@ def execute(
         run_id=run_id,
         pool=claimed.pool,
         params=params,
+        phase="forward" if undoing is None else COMPENSATION,
     )
     outcome = ExecutionOutcome(pk=claimed.pk, key=claimed.key, kind=SUCCEEDED, pool=claimed.pool)
     began = time.monotonic()
     try:
+        if undoing is not None:
+            assert definition.compensate is not None
+            definition.compensate(item, undoing[0])
+            return _timed(outcome, claimed, began)
         value = definition.do(item)
     except Throttled as exc:
         outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
@@ -129,7 +144,10 @@ def execute(
         )
     except Exception as exc:
         outcome.error_class, outcome.error = type(exc).__name__, _describe(exc)
-        if claimed.attempt < definition.attempts_for(claimed.key):
+        attempts = definition.attempts_for(claimed.key)
+        if undoing is not None:
+            attempts = definition.max_attempts
+        if claimed.attempt < attempts:
             outcome.kind = RETRY
             outcome.retry_after = backoff(definition, claimed.attempt)
         else:
@@ -152,6 +170,10 @@ def execute(
             else:
                 # Read back now so what is stored is exactly what the join will read back.
                 outcome.result = json.loads(text)
+    return _timed(outcome, claimed, began)
+
+
+def _timed(outcome: ExecutionOutcome, claimed: ClaimedItem, began: float) -> ExecutionOutcome:
     # Durations by this host's monotonic clock, placed on the database's: no wall clock here.
     outcome.elapsed = time.monotonic() - began
     started = claimed.started_at

@@ -251,6 +251,7 @@ class Drain:
                     self.deadline,
                     ran=self._count,
                     leave_when_idle=self.roam,
+                    keeper=self.keeper,
                 )
             if result.run_status == RunStatus.JOINING:
                 if self.roam:

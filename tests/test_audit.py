@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from fanout import FanOut, telemetry
+from fanout import FanOut, compensate, telemetry
 from fanout.audit import audit, audit_pool, audit_run, take_pools
 from fanout.claim import claim
 from fanout.definition import get_definition
@@ -166,7 +166,7 @@ def test_drift_found_again_after_a_correction_is_counted_again() -> None:
 
 def test_a_compensation_under_way_holds_its_pool_slot_in_the_audits_count() -> None:
     run, pool = pool_run(held=1)
-    # A compensation claimed in the pool (as compensate._admit_pools leaves it) holds a slot.
+    # A compensation claimed in the pool (as claim.claim_compensations leaves it) holds a slot.
     item = ItemClaim.objects.filter(run=run, status="pending").first()
     assert item is not None
     ItemClaim.objects.filter(pk=item.pk).update(
@@ -175,6 +175,31 @@ def test_a_compensation_under_way_holds_its_pool_slot_in_the_audits_count() -> N
     set_counter("fanout_capacitypool", pool.pk, 2)
 
     assert audit_pool(BUSY_POOL) is None
+
+
+def test_a_compensation_budget_counter_that_differs_from_its_rows_is_corrected_and_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = prepare("comp_parallel", {"n": 3})
+    ItemClaim.objects.filter(run=run).update(status="succeeded")
+    assert compensate.begin(run.pk, "failed on purpose")
+    assert compensate.claim(run.pk, get_definition("comp_parallel"), "holder").items
+    # Written behind the transitions' back: the run would start one compensation too many.
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE fanout_batchrun SET compensating = 0 WHERE id = %s", [run.pk])
+
+    with caplog.at_level(logging.WARNING, logger="fanout"):
+        drift = audit_run(run.pk)
+
+    assert drift is not None and (drift.name, drift.counter, drift.rows) == (
+        f"{run.pk} compensating",
+        0,
+        1,
+    )
+    run.refresh_from_db()
+    assert (run.compensating, run.in_flight, run.counter_drift) == (1, 0, 1)
+    assert "compensating: in_flight was 0 but its rows hold 1 slots" in caplog.text
+    assert audit_run(run.pk) is None
 
 
 def test_each_pool_is_audited_by_one_supervisor_per_period() -> None:

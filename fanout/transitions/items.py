@@ -1,10 +1,11 @@
 """Every status change of an item, in one place, each keeping the in_flight counters exact.
 
 A run's and a pool's ``in_flight`` count their items that are ``running`` (live or expired
-lease). An item enters ``running`` only by ``start`` (a fresh slot: the caller holds the run's
-and the pools' row locks and decided there was room) and leaves it only through ``settle``,
-``release``, ``fail_lost`` or ``hand_over``; ``reclaim`` moves an expired item to a new owner and
-keeps its slot. Nothing else writes an item's status.
+lease). An item enters ``running`` only by ``claim`` (a fresh slot: the caller holds the run's
+and the pools' row locks and decided there was room) and leaves it only through ``settle``
+(``succeed``, ``fail``, ``retry``, ``throttle``, ``wait_on_child``), ``release``, ``fail_lost``
+or ``hand_over``; ``reclaim`` moves an expired item to a new owner and keeps its slot.
+Nothing outside this package writes an item's status (tests/test_shape.py checks it).
 
 Lock order, so that no two transactions wait on each other in a cycle: a claim locks the run,
 then its pools in name order, then items with SKIP LOCKED (it never waits for an item); a
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -25,8 +26,8 @@ from django.db import connection, transaction
 from django.db.models import F, Field, QuerySet
 from django.utils import timezone
 
-from .clock import DbNow, db_now_plus
-from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
+from ..clock import DbNow, db_now_plus
+from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
 
 # What an execution ended in; RETRY, THROTTLED and RELEASED put the item back to pending.
 SUCCEEDED, FAILED, RETRY, THROTTLED, RELEASED = (
@@ -38,6 +39,7 @@ SUCCEEDED, FAILED, RETRY, THROTTLED, RELEASED = (
 )
 # The handler handed its item to a child run: it waits, keeping its run slot (see nest.py).
 SPAWNED = "spawned"
+CHILD_FAILED = "ChildRunFailed"  # error_class of an item whose child run failed or was cancelled
 FAILED_FAST = "FailedFast"  # error_class of items cancelled because a fail_fast run failed
 # error_class of items cancelled because the run's failures crossed max_failures or its rate
 FAILURE_THRESHOLD = "FailureThreshold"
@@ -119,7 +121,7 @@ def _running(owner: str, token: uuid.UUID, lease_seconds: float, now: datetime) 
     )
 
 
-def start(
+def claim(
     run_id: int,
     rows: Sequence[dict],
     owner: str,
@@ -135,6 +137,9 @@ def start(
     )
     _adjust(*_counts(run_id, rows), +1)
     return n
+
+
+start = claim  # the name it had
 
 
 LOST = (
@@ -315,22 +320,8 @@ def _write_outcomes(outcomes: Sequence[ExecutionOutcome]) -> None:
     by_kind: dict[str, list[ExecutionOutcome]] = {}
     for o in outcomes:
         by_kind.setdefault(o.kind, []).append(o)
-    released = dict(status=ItemStatus.PENDING, claim_token=None, lease_expires_at=None)
     for kind, group in by_kind.items():
-        pks = [o.pk for o in group]
-        items = ItemClaim.objects.filter(pk__in=pks)
-        if kind == RETRY:
-            # The attempt number moves on only here: a handler exception used it up.
-            items.update(attempt=F("attempt") + 1)
-        if kind in (RETRY, THROTTLED, RELEASED):
-            for after, same in _grouped(group, lambda o: round(o.retry_after, 3)).items():
-                ItemClaim.objects.filter(pk__in=[o.pk for o in same]).update(
-                    next_attempt_at=db_now_plus(after), **released
-                )
-        if kind in (SUCCEEDED, FAILED):
-            items.update(status=kind, claim_token=None, lease_expires_at=None)
-        if kind == SPAWNED:
-            items.update(status=ItemStatus.WAITING, claim_token=None, lease_expires_at=None)
+        _OUTCOMES[kind](group)
         rows = [
             ItemClaim(
                 pk=o.pk,
@@ -345,6 +336,63 @@ def _write_outcomes(outcomes: Sequence[ExecutionOutcome]) -> None:
         if kind == SPAWNED:
             fields = ["error", "error_class"]
         _write_values(rows, ["result", *fields] if kind == SUCCEEDED else fields)
+
+
+# Each kind of outcome, a named transition of held items (settle() locks them and moves the
+# counters: these write only the rows).
+
+
+def succeed(outcomes: Sequence[ExecutionOutcome]) -> int:
+    """The handler returned: the item is done."""
+    return _end(outcomes, ItemStatus.SUCCEEDED)
+
+
+def fail(outcomes: Sequence[ExecutionOutcome]) -> int:
+    """A permanent error, or attempts used up: the item failed for good."""
+    return _end(outcomes, ItemStatus.FAILED)
+
+
+def _end(outcomes: Sequence[ExecutionOutcome], status: str) -> int:
+    items = ItemClaim.objects.filter(pk__in=[o.pk for o in outcomes])
+    return items.update(status=status, claim_token=None, lease_expires_at=None)
+
+
+def retry(outcomes: Sequence[ExecutionOutcome]) -> int:
+    """A handler exception used an attempt: the item is pending again after its backoff."""
+    # The attempt number moves on only here: a handler exception used it up.
+    ItemClaim.objects.filter(pk__in=[o.pk for o in outcomes]).update(attempt=F("attempt") + 1)
+    return _back_to_pending(outcomes)
+
+
+def throttle(outcomes: Sequence[ExecutionOutcome]) -> int:
+    """The provider said to wait (Throttled): pending again, no attempt used."""
+    return _back_to_pending(outcomes)
+
+
+def _back_to_pending(outcomes: Sequence[ExecutionOutcome]) -> int:
+    released = dict(status=ItemStatus.PENDING, claim_token=None, lease_expires_at=None)
+    n = 0
+    for after, same in _grouped(outcomes, lambda o: round(o.retry_after, 3)).items():
+        n += ItemClaim.objects.filter(pk__in=[o.pk for o in same]).update(
+            next_attempt_at=db_now_plus(after), **released
+        )
+    return n
+
+
+def wait_on_child(outcomes: Sequence[ExecutionOutcome]) -> int:
+    """The handler handed its item to a child run: it waits, keeping its run slot."""
+    items = ItemClaim.objects.filter(pk__in=[o.pk for o in outcomes])
+    return items.update(status=ItemStatus.WAITING, claim_token=None, lease_expires_at=None)
+
+
+_OUTCOMES = {
+    SUCCEEDED: succeed,
+    FAILED: fail,
+    RETRY: retry,
+    THROTTLED: throttle,
+    RELEASED: _back_to_pending,
+    SPAWNED: wait_on_child,
+}
 
 
 def _grouped(outcomes: Sequence[ExecutionOutcome], by: Any) -> dict[Any, list[ExecutionOutcome]]:
@@ -420,6 +468,9 @@ def cancel_pending(items: QuerySet[ItemClaim], reason: str, error_class: str = "
     return items.filter(status=ItemStatus.PENDING).update(
         status=ItemStatus.CANCELLED, finished_at=DbNow(), error=reason, error_class=error_class
     )
+
+
+cancel = cancel_pending
 
 
 def rewait(run_id: int, pks: Sequence[int]) -> int:
@@ -525,3 +576,172 @@ def hand_over(
 
 def _loads(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
+
+
+# --- items waiting on a child run -----------------------------------------------------------
+
+
+def child_ended(pk: int, run_id: int, succeeded: bool, result: Any, error: str) -> bool:
+    """The item's child run ended: it succeeds with the child's join result, or fails naming
+    the child, and gives its run slot back (it held no pool slot while it waited). Only an
+    item still waiting is decided, under its row's lock, so whoever comes second does nothing.
+    """
+    with transaction.atomic():
+        waiting = ItemClaim.objects.filter(pk=pk, status=ItemStatus.WAITING)
+        if not list(waiting.select_for_update().values_list("pk", flat=True)):
+            return False
+        if succeeded:
+            decided = dict(status=ItemStatus.SUCCEEDED, result=result, error="", error_class="")
+        else:
+            decided = dict(status=ItemStatus.FAILED, error=error, error_class=CHILD_FAILED)
+        ItemClaim.objects.filter(pk=pk).update(finished_at=DbNow(), **decided)
+        _adjust(Counter({run_id: 1}), Counter(), -1)
+    return True
+
+
+# --- an item's second phase: its compensation ---------------------------------------------
+
+
+def compensate(run_id: int) -> int:
+    """The run compensates: its items that succeeded (so far) are to be undone."""
+    return ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.SUCCEEDED).update(
+        status=ItemStatus.COMPENSATING,
+        compensation_attempt=0,
+        claim_token=None,
+        lease_expires_at=None,
+        next_attempt_at=DbNow(),
+    )
+
+
+def reopen_compensations(run_id: int) -> int:
+    """Compensations that used up their attempts are due again, afresh. The caller holds
+    the run's lock."""
+    return ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.COMPENSATION_FAILED).update(
+        status=ItemStatus.COMPENSATING,
+        compensation_attempt=0,
+        next_attempt_at=DbNow(),
+        error="",
+    )
+
+
+# error_class of a compensation's attempt cut off by a lost worker (in the item's history)
+COMPENSATION_LOST = "compensation: WorkerLost"
+
+
+def _note_compensation_lost(rows: Sequence[dict]) -> None:
+    ItemAttempt.objects.bulk_create(
+        ItemAttempt(
+            item_id=r["pk"],
+            attempt=r["compensation_attempt"],
+            owner=r["owner"],
+            error_class=COMPENSATION_LOST,
+            error="its worker died or stopped renewing the lease mid-compensation",
+            finished_at=DbNow(),
+        )
+        for r in rows
+    )
+
+
+def _compensation_slots(run_id: int, rows: Sequence[Mapping[str, Any]], sign: int) -> None:
+    """Move the run's compensation budget and the pools' counters: run first, then pools."""
+    if not rows:
+        return
+    BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") + sign * len(rows))
+    _adjust(Counter(), Counter(r["pool"] for r in rows), sign)
+
+
+def claim_compensations(
+    run_id: int, rows: Sequence[dict], owner: str, token: uuid.UUID, lease_seconds: float
+) -> int:
+    """Due compensations take a slot of the run's compensation budget and of their pool, and
+    begin an attempt. The caller holds the run's and the pools' locks."""
+    if not rows:
+        return 0
+    n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+        compensation_attempt=F("compensation_attempt") + 1,
+        **_held(owner, token, lease_seconds),
+    )
+    _compensation_slots(run_id, rows, +1)
+    return n
+
+
+def _held(owner: str, token: uuid.UUID, lease_seconds: float) -> dict[str, Any]:
+    return dict(claim_token=token, owner=owner[:200], lease_expires_at=db_now_plus(lease_seconds))
+
+
+def retake_compensations(
+    rows: Sequence[dict], owner: str, token: uuid.UUID, lease_seconds: float
+) -> int:
+    """Compensations whose worker died go to a new owner: they keep their slots and their
+    attempt (a crash is not the compensation's fault), and the crash joins their history."""
+    if not rows:
+        return 0
+    _note_compensation_lost(rows)
+    return ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+        **_held(owner, token, lease_seconds)
+    )
+
+
+def compensation_lost(run_id: int, rows: Sequence[dict], crash_budget: int) -> int:
+    """Compensations whose workers kept dying (more than ``crash_budget`` in one attempt)
+    fail for good and give their slots back."""
+    if not rows:
+        return 0
+    _note_compensation_lost(rows)
+    n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+        status=ItemStatus.COMPENSATION_FAILED,
+        claim_token=None,
+        lease_expires_at=None,
+        error=f"WorkerLost: {crash_budget + 1} workers died running its compensation "
+        f"(crash_budget={crash_budget})",
+    )
+    _compensation_slots(run_id, rows, -1)
+    return n
+
+
+def compensated(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) -> list[int]:
+    """Write the outcomes of compensations still held under ``token``; return the pks written.
+
+    Succeeded: the item is compensated. A permanent error, or attempts used up: its
+    compensation failed (it stays visible; an operator can retry it). A retry waits out its
+    backoff; Throttled (or a release) waits with no attempt used. Each gives its slots back.
+    """
+    with transaction.atomic(savepoint=False):
+        pks = [o.pk for o in outcomes]
+        held = list(
+            ItemClaim.objects.filter(pk__in=pks, claim_token=token, status=ItemStatus.COMPENSATING)
+            .select_for_update()
+            .values("pk", "pool", "owner", "compensation_attempt")
+        )
+        by_pk = {r["pk"]: r for r in held}
+        mine = [o for o in outcomes if o.pk in by_pk]
+        for o in mine:
+            _compensation_outcome(o, by_pk[o.pk])
+        _compensation_slots(run_id, held, -1)
+    return [o.pk for o in mine]
+
+
+def _compensation_outcome(o: ExecutionOutcome, row: Mapping[str, Any]) -> None:
+    item = ItemClaim.objects.filter(pk=o.pk)
+    free = dict(claim_token=None, lease_expires_at=None)
+    if o.kind in (FAILED, RETRY):
+        ItemAttempt.objects.create(
+            item_id=o.pk,
+            attempt=row["compensation_attempt"],
+            owner=row["owner"],
+            finished_at=DbNow(),
+            error_class=f"compensation: {o.error_class}",
+            error=o.error,
+        )
+    if o.kind == SUCCEEDED:
+        item.update(status=ItemStatus.COMPENSATED, **free)
+    elif o.kind == FAILED:
+        item.update(status=ItemStatus.COMPENSATION_FAILED, error=o.error, **free)
+    elif o.kind == RETRY:
+        item.update(next_attempt_at=db_now_plus(o.retry_after), **free)
+    else:  # THROTTLED, RELEASED: waiting is not a failure, and uses no attempt
+        item.update(
+            compensation_attempt=F("compensation_attempt") - 1,
+            next_attempt_at=db_now_plus(o.retry_after),
+            **free,
+        )
