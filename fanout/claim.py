@@ -666,19 +666,24 @@ class _Undo(_Claim):
     def _explain(self, result: ClaimResult, limit: int) -> None:
         if result.items:
             return
+        # Only a time still ahead: a due compensation's past retry time would ask the drain to
+        # claim again at once, in a loop of run- and pool-row locks until a slot comes back.
         if self.blocked:
             result.reason = "; ".join(f"{n}: {self.rooms[n].reason}" for n in sorted(self.blocked))
             until = [self.rooms[n].until for n in self.blocked]
             times = [t for t in until if t is not None]
+            # A paused or full pool has no time: wait the idle time, or be woken.
             result.retry_at = min(times) if times else None
         elif self.host_room is not None and self.host_room <= 0:
             result.reason = self.host_reason
+            result.retry_at = _next_compensation(self.run_id, self.now, due=False)
         elif self.room <= 0:
             result.reason = f"at the compensation budget ({self.run['compensating']} under way)"
+            # A slot comes back when a compensation is recorded, or when its lease runs out.
+            result.retry_at = _next_compensation(self.run_id, self.now, due=False)
         else:
             result.reason = "no compensation due"
-        if result.retry_at is None:
-            result.retry_at = _next_compensation(self.run_id)
+            result.retry_at = _next_compensation(self.run_id, self.now)
         if result.retry_at is not None:
             result.retry_in = max(0.0, (result.retry_at - self.now).total_seconds())
 
@@ -692,14 +697,16 @@ def _compensation_crashes(cand: dict) -> int:
     ).count()
 
 
-def _next_compensation(run_id: int) -> datetime | None:
-    """When the run's next compensation becomes claimable (a retry due, a lease running out)."""
+def _next_compensation(run_id: int, now: datetime, due: bool = True) -> datetime | None:
+    """When the run's next compensation becomes claimable after ``now`` (a lease running out,
+    or with ``due`` a retry coming due); None if nothing will by itself."""
     comp = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.COMPENSATING)
-    due = comp.filter(claim_token__isnull=True).order_by("next_attempt_at")
-    lease = comp.filter(claim_token__isnull=False).order_by("lease_expires_at")
-    times = [
-        due.values_list("next_attempt_at", flat=True).first(),
-        lease.values_list("lease_expires_at", flat=True).first(),
-    ]
+    lease = comp.filter(claim_token__isnull=False, lease_expires_at__gt=now)
+    times = [lease.order_by("lease_expires_at").values_list("lease_expires_at", flat=True).first()]
+    if due:
+        retry = comp.filter(claim_token__isnull=True, next_attempt_at__gt=now)
+        times.append(
+            retry.order_by("next_attempt_at").values_list("next_attempt_at", flat=True).first()
+        )
     found = [t for t in times if t is not None]
     return min(found) if found else None

@@ -128,6 +128,41 @@ def test_a_compensation_waits_for_a_token_of_its_pools_bucket() -> None:
     assert (pool.in_flight, pool.tokens) == (0, 0.0)
 
 
+def compensating(name: str, n: int) -> tuple[BatchRun, Any]:
+    """A run of ``n`` items that all succeeded, turned to compensating; and its definition."""
+    definition = get_definition(name)
+    run = prepare_run(definition, {"n": n}, uuid.uuid4().hex)
+    ItemClaim.objects.filter(run=run).update(status=ItemStatus.SUCCEEDED, result={"charged": 1})
+    assert compensate.begin(run.pk, "failed on purpose")
+    return run, definition
+
+
+def test_a_compensation_refused_by_its_budget_is_not_claimed_again_at_once() -> None:
+    # Reverse order: one at a time. While it runs, another thread is refused; a retry_in of 0
+    # (the due compensations' past retry time) made its drain claim again at once, a hot loop
+    # of run- and pool-row locks until the first was recorded.
+    run, definition = compensating("phase_reverse", 3)
+    first = compensate.claim(run.pk, definition, "host:1:w1")
+    assert len(first.items) == 1
+
+    second = compensate.claim(run.pk, definition, "host:1:w2")
+
+    assert second.items == []
+    assert "compensation budget" in second.reason, second.reason
+    assert second.retry_in is None or second.retry_in > 0, second.retry_in
+
+
+def test_a_compensation_refused_by_a_paused_pool_is_not_claimed_again_at_once() -> None:
+    CapacityPool.objects.create(name=SHARED_POOL, max_concurrency=2, paused=True)
+    run, definition = compensating("phase_shared", 2)
+
+    taken = compensate.claim(run.pk, definition, "host:1:w1")
+
+    assert taken.items == []
+    assert "paused" in taken.reason, taken.reason
+    assert taken.retry_in is None or taken.retry_in > 0, taken.retry_in
+
+
 def test_a_throttled_compensation_waits_with_its_pool_and_uses_no_attempt() -> None:
     CapacityPool.objects.create(name=SHARED_POOL, max_concurrency=2)
     run = run_inline(
