@@ -18,6 +18,7 @@ from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
+from fanout.recover import release
 from tests.procs import wait_until
 from tests.rq.conftest import _descendants, processes, redis, redis_url  # noqa: F401
 from tests.rq.support import describe_runs
@@ -161,6 +162,34 @@ def test_a_compensation_refused_by_a_paused_pool_is_not_claimed_again_at_once() 
     assert taken.items == []
     assert "paused" in taken.reason, taken.reason
     assert taken.retry_in is None or taken.retry_in > 0, taken.retry_in
+
+
+def test_a_stopping_worker_gives_its_compensation_back_as_it_gives_an_item_back() -> None:
+    # A stopping worker releases what it holds (recover.release): an item goes back to pending
+    # with no crash counted, and so must a compensation go back to due, its slots given up,
+    # not stay held until its lease runs out and then be taken over as a crash.
+    CapacityPool.objects.create(name=SHARED_POOL, max_concurrency=2)
+    run, definition = compensating("phase_shared", 2)
+    taken = compensate.claim(run.pk, definition, "host:1:w1")
+    ((item, _result),) = taken.items
+    assert CapacityPool.objects.get(name=SHARED_POOL).in_flight == 1
+
+    released = release({item.pk: taken.token})
+
+    row = ItemClaim.objects.get(pk=item.pk)
+    assert released == 1
+    assert (row.status, row.claim_token, row.compensation_attempt) == (
+        ItemStatus.COMPENSATING,
+        None,
+        0,
+    )
+    assert BatchRun.objects.get(pk=run.pk).compensating == 0
+    assert CapacityPool.objects.get(name=SHARED_POOL).in_flight == 0
+    # Claimed again as a fresh attempt 1, with no lost worker in its history.
+    again = compensate.claim(run.pk, definition, "host:1:w2")
+    assert [(i.pk, i.attempt) for i, _ in again.items] == [(item.pk, 1)]
+    assert not ItemAttempt.objects.filter(item_id=item.pk).exists()
+    assert not compensate.record(run.pk, definition, taken.token, item, (True, "", ""))
 
 
 def test_a_throttled_compensation_waits_with_its_pool_and_uses_no_attempt() -> None:

@@ -225,19 +225,38 @@ def _leave(rows: list[tuple[int, int, str]], keep_run_slot: Iterable[int] = ()) 
 
 
 def release(items: QuerySet[ItemClaim], after: float = 0.0) -> int:
-    """Running items go back to pending with no attempt used; their slots are given up."""
+    """Running items go back to pending, and held compensations to due, with no attempt
+    used and no crash counted; their slots (run, compensation budget, pool) are given up."""
     with transaction.atomic():
         write_first()
         rows = _lock_held(items)
-        if not rows:
-            return 0
-        n = ItemClaim.objects.filter(pk__in=[r[0] for r in rows]).update(
-            status=ItemStatus.PENDING,
-            claim_token=None,
-            lease_expires_at=None,
-            next_attempt_at=db_now_plus(after),
+        undoing = list(
+            items.filter(status=ItemStatus.COMPENSATING, claim_token__isnull=False)
+            .select_for_update()
+            .values_list("pk", "run_id", "pool")
         )
-        _leave(rows)
+        if not rows and not undoing:
+            return 0
+        free = dict(claim_token=None, lease_expires_at=None, next_attempt_at=db_now_plus(after))
+        n = 0
+        if rows:
+            n += ItemClaim.objects.filter(pk__in=[r[0] for r in rows]).update(
+                status=ItemStatus.PENDING, **free
+            )
+        if undoing:
+            # A fresh claim began an attempt: a compensation given back did not use it.
+            n += ItemClaim.objects.filter(pk__in=[r[0] for r in undoing]).update(
+                compensation_attempt=F("compensation_attempt") - 1, **free
+            )
+        # Runs first, then pools, each in order: the lock order every transaction keeps.
+        in_flight = Counter(run_id for _, run_id, _ in rows)
+        budget = Counter(run_id for _, run_id, _ in undoing)
+        for run_id in sorted(set(in_flight) | set(budget)):
+            BatchRun.objects.filter(pk=run_id).update(
+                in_flight=F("in_flight") - in_flight[run_id],
+                compensating=F("compensating") - budget[run_id],
+            )
+        _adjust(Counter(), Counter(pool for _, _, pool in (*rows, *undoing)), -1)
     return n
 
 
