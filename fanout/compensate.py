@@ -159,16 +159,26 @@ def _told(
 
 
 def finish(run_id: int) -> str | None:
-    """End the run once no compensation is left; return its final status, or None."""
-    items = ItemClaim.objects.filter(run_id=run_id)
-    if items.filter(
-        status__in=(ItemStatus.COMPENSATING, ItemStatus.RUNNING, ItemStatus.WAITING)
-    ).exists():
-        return None
-    failed = items.filter(status=ItemStatus.COMPENSATION_FAILED).exists()
-    status = RunStatus.COMPENSATION_FAILED if failed else RunStatus.COMPENSATED
-    if not runs.end_compensation(run_id, status):
-        return None
+    """End the run once no compensation is left; return its final status, or None.
+
+    Under the run's lock (run row, then pools, as everywhere): items that succeeded since the
+    run turned are made compensations first, and no retry of failed compensations can reopen
+    one between the look and the end."""
+    with transaction.atomic():
+        run = lock_run(run_id)
+        if run is None or run["status"] != RunStatus.COMPENSATING:
+            return None
+        if items_.compensate(run_id):
+            return None  # items that succeeded meanwhile are to be undone first
+        items = ItemClaim.objects.filter(run_id=run_id)
+        if items.filter(
+            status__in=(ItemStatus.COMPENSATING, ItemStatus.RUNNING, ItemStatus.WAITING)
+        ).exists():
+            return None
+        failed = items.filter(status=ItemStatus.COMPENSATION_FAILED).exists()
+        status = RunStatus.COMPENSATED if not failed else RunStatus.COMPENSATION_FAILED
+        if not runs.end_compensation(run_id, status):
+            return None
     from .signals import run_finished, send
 
     send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run_id))

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from fanout import compensate
+from fanout import compensate, supervise, transitions
+from fanout.claim import claim
 from fanout.compensate import retry_failed_compensations
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run, resume
@@ -108,6 +109,26 @@ def test_an_operator_cancels_a_run_and_compensates_what_it_did() -> None:
     assert run.status == RunStatus.COMPENSATED
     assert set(run.items.values_list("status", flat=True)) == {ItemStatus.CANCELLED}
     assert undone(run) == []
+
+
+def test_an_item_that_succeeds_after_a_cancel_to_compensate_is_undone_before_the_run_ends() -> None:
+    # cancel --compensate while an item runs and none has succeeded yet; the item then
+    # succeeds, and the supervisor tends the run before any compensation claim swept it up.
+    definition = get_definition("phase_reverse")
+    run = prepare_run(definition, {"n": 1}, uuid.uuid4().hex)
+    taken = claim(run.pk, "host:1:w1", 1, 60.0, definition.crash_budget, None)
+    (item,) = taken.items
+    assert compensate.begin(run.pk, "cancelled by an operator")
+    done = transitions.ExecutionOutcome(
+        item.pk, item.key, transitions.SUCCEEDED, item.pool, result={"charged": 1}
+    )
+    assert transitions.settle(run.pk, taken.token, [done]) == [item.pk]
+
+    supervise.tend(run.pk)
+
+    assert ItemClaim.objects.get(pk=item.pk).status == ItemStatus.COMPENSATING
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.COMPENSATING
+    assert compensate.finish(run.pk) is None  # not until it is undone
 
 
 def test_a_compensation_taken_over_after_its_worker_died_keeps_its_attempt() -> None:
