@@ -30,6 +30,7 @@ from typing import Any
 
 from django.db import transaction
 
+from .audit import audit_run
 from .claim import claim_compensations, lock_run
 from .conf import conf
 from .definition import FanOut
@@ -177,6 +178,9 @@ def finish(run_id: int) -> str | None:
             return None
         failed = items.filter(status=ItemStatus.COMPENSATION_FAILED).exists()
         status = RunStatus.COMPENSATED if not failed else RunStatus.COMPENSATION_FAILED
+        # None is under way now: a budget counter that says otherwise drifted, and is
+        # reported (and corrected) by the audit, not zeroed unseen by the end.
+        audit_run(run_id)
         if not runs.end_compensation(run_id, status):
             return None
     from .signals import run_finished, send

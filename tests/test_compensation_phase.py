@@ -192,6 +192,20 @@ def test_a_stopping_worker_gives_its_compensation_back_as_it_gives_an_item_back(
     assert not compensate.record(run.pk, definition, taken.token, item, (True, "", ""))
 
 
+def test_a_drifted_compensation_budget_is_reported_when_the_run_ends_not_zeroed_unseen() -> None:
+    run, definition = compensating("phase_reverse", 1)
+    taken = compensate.claim(run.pk, definition, "host:1:w1")
+    ((item, _result),) = taken.items
+    assert taken.token is not None
+    assert compensate.record(run.pk, definition, taken.token, item, (True, "", ""))
+    BatchRun.objects.filter(pk=run.pk).update(compensating=1)  # a path that forgot it
+
+    assert compensate.finish(run.pk) == RunStatus.COMPENSATED
+
+    ended = BatchRun.objects.get(pk=run.pk)
+    assert (ended.counter_drift, ended.compensating) == (1, 0)
+
+
 def test_a_throttled_compensation_waits_with_its_pool_and_uses_no_attempt() -> None:
     CapacityPool.objects.create(name=SHARED_POOL, max_concurrency=2)
     run = run_inline(

@@ -105,15 +105,9 @@ def end_writing(run_id: int, writer: uuid.UUID, error: str) -> bool:
 
 
 def end_compensation(run_id: int, status: str) -> bool:
-    """No compensation is left: compensated, or compensation_failed."""
-    moved = _move(
-        run_id,
-        [RunStatus.COMPENSATING],
-        status,
-        finished_at=DbNow(),
-        compensating=0,
-        stalled="",
-    )
+    """No compensation is left: compensated, or compensation_failed. Its ``compensating``
+    counter is left as it is: one that is not zero here has drifted, and the audit reports it."""
+    moved = _move(run_id, [RunStatus.COMPENSATING], status, finished_at=DbNow(), stalled="")
     return bool(moved)
 
 
