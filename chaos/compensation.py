@@ -38,11 +38,15 @@ def compensation(h: Harness, result: Result) -> None:
     n = h.scale(40, 16)
     bad = f"c{n // 2:05d}"
     ids: dict[str, int] = {}
+    # While this file exists, the reverse run's compensations that start wait for it to go.
+    hold = h.logs / f"{h.run_key('comp')}.hold"
     for mode in BUDGET:
         key = h.run_key(f"comp-{mode}")
         args = ["run_fanout", f"chaos_comp_{mode}", "--executor", "rq", "--no-wait"]
         args += ["--param", f"n={n}", "--param", SLEEP, "--param", f"undo_sleep={UNDO_SLEEP[mode]}"]
         args += ["--param", f"bad={json.dumps({bad: 'permanent'})}", "--run-key", key]
+        if mode == "reverse":
+            args += ["--param", f"undo_hold={json.dumps(str(hold))}"]
         code, _, err = h.manage(args, f"comp-{mode}-start")
         result.check(code == 0, f"run_fanout --no-wait exited {code}: {err.strip()[-300:]}")
     for mode in BUDGET:
@@ -75,6 +79,11 @@ def compensation(h: Harness, result: Result) -> None:
                 if mode == "reverse":
                     after_single = len(done)
         done, busy = now["reverse"]
+        if single["reverse"] and len(done) > after_single and not hold.exists():
+            # The reverse run compensated one more since its kill: the next one it starts
+            # stays under way until the deploy. A loaded host could otherwise see it finish
+            # every compensation before the parallel run's first kill landed.
+            hold.touch()
         # Every worker goes once each run lost one compensation's worker (its threads serve
         # both runs, so the parallel run's first kill may come after the reverse run's).
         if all(single.values()) and len(done) > after_single and busy:
@@ -86,6 +95,7 @@ def compensation(h: Harness, result: Result) -> None:
         if h.wait_finished(list(ids.values()), timeout=0):
             break
         time.sleep(0.05)
+    hold.unlink(missing_ok=True)  # the compensations taken over run to their end
     for mode, hit in single.items():
         result.check(hit, f"no kill landed on a compensation of the {mode} run")
     result.check(healed_from is not None, "the compensations ended before every worker was killed")

@@ -298,10 +298,16 @@ FanOut(
 
 
 # Compensation: item ``bad`` fails for good (fail_fast), then every item that succeeded is
-# undone; each compensation is in the ledger as "undo:<key>".
+# undone; each compensation is in the ledger as "undo:<key>". While the file ``undo_hold``
+# names exists, a compensation that starts waits for it to go (then it runs as usual).
 def chaos_undo(item: Item, result: Any) -> None:
     row = _start(item, time.time(), key=f"undo:{item.key}")
     try:
+        # ``undo_hold``: a file; while it exists, a compensation that started stays under way,
+        # so that the harness kills it in the state it observed instead of racing its end.
+        hold = item.params.get("undo_hold")
+        while hold and os.path.exists(hold):
+            time.sleep(0.05)
         _sleep(item.params.get("undo_sleep"))
         if not isinstance(result, dict) or result.get("i") != item.index:
             raise RuntimeError(f"chaos: {item.key} was handed the result {result!r}")
