@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -13,8 +13,10 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from .conf import conf
+from .cost import Units, as_units
 from .errors import FanoutError
 from .models import CapacityPool
+from .spend import open_pool_budget
 
 _PERIODS = {
     "s": 1.0,
@@ -43,9 +45,45 @@ def parse_rate(text: str) -> tuple[int, float]:
     return count, multiple * _PERIODS[match.group(3)]
 
 
+_PERIOD = re.compile(r"^\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
+
+
+def parse_period(text: Any) -> float:
+    """Parse "30d", "1h", "90s" (or a number of seconds) into seconds."""
+    if isinstance(text, int | float) and not isinstance(text, bool) and text > 0:
+        return float(text)
+    match = _PERIOD.match(str(text).lower())
+    if not match or match.group(2) not in _PERIODS:
+        raise FanoutError(f"period {text!r} is not of the form N s, m, h or d (e.g. '30d')")
+    multiple = float(match.group(1)) if match.group(1) else 1.0
+    if multiple <= 0:
+        raise FanoutError(f"period {text!r} must be longer than zero")
+    return multiple * _PERIODS[match.group(2)]
+
+
+def parse_budget(name: str, config: Any) -> tuple[Units, float | None]:
+    """A pool's ``budget={"usd": 50, "period": "30d"}`` as (units, period seconds)."""
+    if not isinstance(config, Mapping):
+        raise FanoutError(
+            f"FANOUT_POOLS[{name!r}]: budget must be a dict such as {{'usd': 50, 'period': '30d'}}"
+        )
+    config = dict(config)
+    period = config.pop("period", None)
+    seconds = None
+    if period is not None:
+        try:
+            seconds = parse_period(period)
+        except FanoutError as exc:
+            raise FanoutError(f"FANOUT_POOLS[{name!r}]: budget {exc}") from None
+    units = as_units(config, f"FANOUT_POOLS[{name!r}]: budget")
+    if not units:
+        raise FanoutError(f"FANOUT_POOLS[{name!r}]: budget names no unit")
+    return units, seconds
+
+
 def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
     """Turn one FANOUT_POOLS entry into CapacityPool field values, or raise a clear error."""
-    unknown = sorted(set(config) - {"max_concurrency", "rate", "burst", "paused"})
+    unknown = sorted(set(config) - {"max_concurrency", "rate", "burst", "paused", "budget"})
     if unknown:
         raise FanoutError(f"FANOUT_POOLS[{name!r}] has unknown keys: {', '.join(unknown)}")
     limits: dict[str, Any] = {"rate_count": None, "rate_period": 1.0, "burst": None}
@@ -66,7 +104,30 @@ def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
             raise FanoutError(f"FANOUT_POOLS[{name!r}]: burst needs a rate")
         limits["burst"] = burst
     limits["paused"] = bool(config.get("paused", False))
+    if config.get("budget") is not None:
+        parse_budget(name, config["budget"])  # refused here, with the pool's other limits
     return limits
+
+
+def configured_budget(name: str) -> tuple[dict[str, float], float | None] | None:
+    """The budget FANOUT_POOLS gives ``name`` (its entry or first matching template), if any."""
+    pools = conf.POOLS
+    entry = pools.get(name)
+    if entry is None:
+        for pattern, config in pools.items():
+            if any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(name, pattern):
+                entry = config
+                break
+    if not entry or entry.get("budget") is None:
+        return None
+    return parse_budget(name, entry["budget"])
+
+
+def _open_budgets(names: Iterable[str]) -> None:
+    for name in names:
+        budget = configured_budget(name)
+        if budget is not None:
+            open_pool_budget(name, *budget)
 
 
 def configured_limits(name: str) -> dict[str, Any] | None:
@@ -102,6 +163,7 @@ def ensure_pools(names: Iterable[str]) -> None:
                 CapacityPool.objects.bulk_create(rows, ignore_conflicts=True)
         except IntegrityError:  # pragma: no cover - ignore_conflicts covers races
             pass
+        _open_budgets(r.name for r in rows)
 
 
 def sync_pools(overwrite: bool = False) -> tuple[list[str], list[str]]:
@@ -112,6 +174,7 @@ def sync_pools(overwrite: bool = False) -> tuple[list[str], list[str]]:
             continue
         limits = limits_from_config(name, config)
         pool, was_created = CapacityPool.objects.get_or_create(name=name, defaults=limits)
+        _open_budgets([name])
         if was_created:
             created.append(name)
         elif overwrite:
@@ -192,6 +255,5 @@ def settings_drift(pool: CapacityPool) -> str:
     if not differs:
         return ""
     return (
-        f"pool {pool.name!r} differs from FANOUT_POOLS: {', '.join(differs)}; "
-        "the pool's row wins"
+        f"pool {pool.name!r} differs from FANOUT_POOLS: {', '.join(differs)}; the pool's row wins"
     )

@@ -101,6 +101,15 @@ def _spawned(
     return outcome
 
 
+def _call(definition: FanOut, item: Item, outcome: ExecutionOutcome) -> Any:
+    """Call the handler; what it reported it cost stays on the outcome whatever it raised."""
+    try:
+        return definition.do(item)
+    finally:
+        if item.reported:
+            outcome.cost, outcome.accounted = dict(item.reported), True
+
+
 def execute(
     definition: FanOut, run_id: int, params: dict[str, Any], claimed: ClaimedItem
 ) -> ExecutionOutcome:
@@ -115,9 +124,10 @@ def execute(
         params=params,
     )
     outcome = ExecutionOutcome(pk=claimed.pk, key=claimed.key, kind=SUCCEEDED, pool=claimed.pool)
+    outcome.accounted = definition.accounted
     began = time.monotonic()
     try:
-        value = definition.do(item)
+        value = _call(definition, item, outcome)
     except Throttled as exc:
         outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
         outcome.error_class, outcome.error = "Throttled", storable_text(str(exc))

@@ -25,6 +25,7 @@ from django.db import connection, transaction
 from django.db.models import F, Field, QuerySet
 from django.utils import timezone
 
+from . import spend
 from .clock import DbNow, db_now_plus
 from .models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
 
@@ -58,6 +59,10 @@ class ExecutionOutcome:
     # the database's: the item's started_at plus that.
     elapsed: float = 0.0
     finished_at: datetime | None = None
+    # Spend (fanout.spend): what the call reported it cost (None: nothing), and whether its
+    # definition counts cost at all (then its outcome settles the item's reservation).
+    cost: dict[str, float] | None = None
+    accounted: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -88,9 +93,7 @@ def _adjust(runs: Counter[int], pools: Counter[str], sign: int) -> None:
     for run_id in sorted(r for r, count in runs.items() if count):
         BatchRun.objects.filter(pk=run_id).update(in_flight=F("in_flight") + sign * runs[run_id])
     for name in sorted(n for n, count in pools.items() if n and count):
-        CapacityPool.objects.filter(name=name).update(
-            in_flight=F("in_flight") + sign * pools[name]
-        )
+        CapacityPool.objects.filter(name=name).update(in_flight=F("in_flight") + sign * pools[name])
 
 
 def _counts(run_id: int, rows: Sequence[dict]) -> tuple[Counter[int], Counter[str]]:
@@ -222,19 +225,24 @@ def _leave(rows: list[tuple[int, int, str]], keep_run_slot: Iterable[int] = ()) 
 
 
 def release(items: QuerySet[ItemClaim], after: float = 0.0) -> int:
-    """Running items go back to pending with no attempt used; their slots are given up."""
+    """Running items go back to pending with no attempt used; their slots are given up.
+
+    A call that may have started keeps its reservation as spent."""
     with transaction.atomic():
         write_first()
         rows = _lock_held(items)
         if not rows:
             return 0
-        n = ItemClaim.objects.filter(pk__in=[r[0] for r in rows]).update(
+        # Read before the status moves: a call that may be running keeps its reservation.
+        pks = [r[0] for r in rows]
+        n = ItemClaim.objects.filter(pk__in=pks).update(
             status=ItemStatus.PENDING,
             claim_token=None,
             lease_expires_at=None,
             next_attempt_at=db_now_plus(after),
         )
         _leave(rows)
+        spend.charge_lost(pks)
     return n
 
 
@@ -262,6 +270,7 @@ def release_expired(items: QuerySet[ItemClaim], limit: int = 100) -> int:
             next_attempt_at=DbNow(),
         )
         _leave(rows)
+        spend.charge_lost([r[0] for r in rows])
     return n
 
 
@@ -285,6 +294,7 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
         _write_outcomes(mine)
         _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
+        spend.settle(rows, mine)
     return [o.pk for o in mine]
 
 
@@ -417,9 +427,7 @@ def _update_from_values(rows: list[ItemClaim], fields: list[str], varying: list[
 # --- pending items that nobody holds ------------------------------------------------------
 
 
-def cancel_pending(
-    items: QuerySet[ItemClaim], reason: str, error_class: str = "Cancelled"
-) -> int:
+def cancel_pending(items: QuerySet[ItemClaim], reason: str, error_class: str = "Cancelled") -> int:
     """Pending items are cancelled; they hold no slot."""
     return items.filter(status=ItemStatus.PENDING).update(
         status=ItemStatus.CANCELLED, finished_at=DbNow(), error=reason, error_class=error_class
@@ -475,6 +483,8 @@ _HAND_OVER = {
 class HandOver:
     written: bool  # False: this worker had lost the item; its outcome was dropped
     next: ClaimedItem | None  # the item that took over the slot, under the new token
+    # A budget refused the next item: record it released, unrun (fanout.spend).
+    refused: bool = False
 
 
 def can_hand_over(outcome: ExecutionOutcome) -> bool:
@@ -527,6 +537,26 @@ def hand_over(
     return HandOver(bool(done), item)
 
 
+def hand_over_spending(
+    run_id: int,
+    token: uuid.UUID,
+    outcome: ExecutionOutcome,
+    owner: str,
+    new_token: uuid.UUID,
+    lease_seconds: float,
+) -> HandOver:
+    """The one-statement hand-over, then the spend it moves, in one transaction: the finished
+    item's reservation becomes its cost, and the next item reserves its estimate or, if a
+    budget refuses it, is to be recorded released without being run (``refused``)."""
+    with transaction.atomic():
+        done = hand_over(run_id, token, outcome, owner, new_token, lease_seconds)
+        if not done.written:
+            return done
+        next_pk = done.next.pk if done.next is not None else None
+        if not spend.after_hand_over(outcome, run_id, next_pk, spend.run_has_budget(run_id)):
+            done.refused = True
+    return done
+
+
 def _loads(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
-
