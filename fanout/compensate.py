@@ -249,9 +249,7 @@ def _within_crash_budget(run_id: int, definition: FanOut, lost: dict) -> bool:
     )
     BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") - 1)
     if lost["pool"]:
-        CapacityPool.objects.filter(name=lost["pool"]).update(
-            in_flight=F("in_flight") - 1
-        )
+        CapacityPool.objects.filter(name=lost["pool"]).update(in_flight=F("in_flight") - 1)
     return False
 
 
@@ -354,9 +352,7 @@ def record(
                 row.update(status=ItemStatus.COMPENSATION_FAILED, error=error, **released)
         BatchRun.objects.filter(pk=run_id).update(compensating=F("compensating") - 1)
         if held["pool"]:
-            CapacityPool.objects.filter(name=held["pool"]).update(
-                in_flight=F("in_flight") - 1
-            )
+            CapacityPool.objects.filter(name=held["pool"]).update(in_flight=F("in_flight") - 1)
     return True
 
 

@@ -98,9 +98,7 @@ def resolve(child_run_id: int) -> int | None:
                 finished_at=DbNow(),
             )
         # The item gives its run slot back (it held no pool slot while it waited).
-        BatchRun.objects.filter(pk=item["run_id"]).update(
-            in_flight=F("in_flight") - 1
-        )
+        BatchRun.objects.filter(pk=item["run_id"]).update(in_flight=F("in_flight") - 1)
         if child.status != RunStatus.SUCCEEDED:
             _fail_parent_by_policy(item["run_id"], item["key"])
     return item["run_id"]

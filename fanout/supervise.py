@@ -289,4 +289,3 @@ class Supervisor:
                     connection.close()  # an idle worker holds no connection between rounds
         finally:
             connection.close()
-

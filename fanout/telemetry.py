@@ -340,9 +340,7 @@ class ItemSpans:
         self.name = f"fanout.item {definition}"
         self._link: Any = None
 
-    def execute(
-        self, item: ClaimedItem, call: Callable[[], ExecutionOutcome]
-    ) -> ExecutionOutcome:
+    def execute(self, item: ClaimedItem, call: Callable[[], ExecutionOutcome]) -> ExecutionOutcome:
         """Call the handler (through ``call``), in a span if the item is sampled or raised."""
         tracer = _tracer()
         if tracer is None:

@@ -70,6 +70,19 @@ def test_rq_queues_without_the_fanout_queue_is_warned() -> None:
     assert ids(fanout_messages()) == ["fanout.W001"]
 
 
+def test_rq_queues_without_django_rq_installed_is_warned_that_there_is_no_rqworker_command(
+    settings: Any,
+) -> None:
+    settings.INSTALLED_APPS = [app for app in settings.INSTALLED_APPS if app != "django_rq"]
+
+    (problem,) = [m for m in fanout_messages() if m.id == "fanout.W008"]
+
+    assert isinstance(problem, Warning)
+    assert "'django_rq' is not in INSTALLED_APPS" in problem.msg
+    assert "manage.py rqworker" in problem.msg
+    assert '"django_rq"' in problem.hint
+
+
 @override_settings(RQ_QUEUES=FANOUT_QUEUE, RQ={})
 def test_workers_that_would_read_jobs_with_pickle_are_warned_with_the_setting_to_fix_it() -> None:
     (problem,) = [m for m in fanout_messages() if m.id == "fanout.W005"]
@@ -189,9 +202,13 @@ def test_pool_rows_that_differ_from_fanout_pools_are_warned_and_the_row_is_said_
     (problem,) = [m for m in check_pools() if m.id == "fanout.W007"]
 
     assert isinstance(problem, Warning)
-    assert problem.msg == settings_drift(payments) == (
-        "pool 'payments' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5), "
-        "rate 100/60s (burst 100) (FANOUT_POOLS: 50/1s (burst 50)); the pool's row wins"
+    assert (
+        problem.msg
+        == settings_drift(payments)
+        == (
+            "pool 'payments' differs from FANOUT_POOLS: max_concurrency 10 (FANOUT_POOLS: 5), "
+            "rate 100/60s (burst 100) (FANOUT_POOLS: 50/1s (burst 50)); the pool's row wins"
+        )
     )
     assert problem.hint == (
         "run manage.py fanout_pools --sync to apply FANOUT_POOLS to the row, or change "

@@ -461,6 +461,30 @@ def test_the_start_line_says_when_a_pools_row_differs_from_fanout_pools() -> Non
     assert "FANOUT_POOLS" not in err.getvalue()
 
 
+@override_settings(FANOUT_POOLS={"slots-pool": {"max_concurrency": 5}})
+def test_run_fanout_says_a_pools_drift_once_though_it_runs_the_system_checks() -> None:
+    CapacityPool.objects.create(name="slots-pool", max_concurrency=10)
+    err = StringIO()
+
+    # As from a shell: the system checks run first, and fanout.W007 is one of them.
+    call_command(
+        "run_fanout",
+        "slots_pool",
+        "--param",
+        "n=2",
+        skip_checks=False,
+        stdout=StringIO(),
+        stderr=err,
+    )
+
+    assert err.getvalue().count("differs from FANOUT_POOLS") == 1, err.getvalue()
+    assert "this run uses the row's limits" in err.getvalue()
+    # manage.py check still says it.
+    checked = StringIO()
+    call_command("check", stdout=checked, stderr=checked)
+    assert "fanout.W007" in checked.getvalue()
+
+
 def test_an_rq_run_without_rq_queues_is_refused_in_one_line_and_makes_no_run(
     settings: Any,
 ) -> None:

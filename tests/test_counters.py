@@ -45,8 +45,9 @@ def assert_counters_are_the_rows(*runs: BatchRun, pool: str = SLOTS_POOL) -> Non
     assert counted == held, f"pool {pool}: counter {counted}, rows {held}"
 
 
-def test_an_item_failed_past_its_crash_budget_after_a_reaper_freed_its_slot_frees_no_other(
-) -> None:
+def test_an_item_failed_past_its_crash_budget_after_a_reaper_freed_its_slot_frees_no_other() -> (
+    None
+):
     # One pool of 2 slots shared by a run whose worker keeps dying and a run of good items.
     CapacityPool.objects.create(name=SLOTS_POOL, max_concurrency=2)
     crashing, good = prepared("slots_pool", n=1), prepared("slots_pool", n=6)
@@ -74,8 +75,9 @@ def test_an_item_failed_past_its_crash_budget_after_a_reaper_freed_its_slot_free
     assert_counters_are_the_rows(crashing, good)
 
 
-def test_a_release_that_would_push_a_drifted_counter_below_zero_is_refused_by_the_database(
-) -> None:
+def test_a_release_that_would_push_a_drifted_counter_below_zero_is_refused_by_the_database() -> (
+    None
+):
     CapacityPool.objects.create(name=SLOTS_POOL, max_concurrency=2)
     run = prepared("slots_pool", n=1)
     taken = claim(run.pk, "worker", 1, LEASE, CRASH_BUDGET, SLOTS_POOL)

@@ -90,9 +90,7 @@ def test_a_hand_over_that_gives_its_slot_up_locks_the_runs_row_before_the_pools(
                 cursor.execute("SELECT pg_backend_pid()")
                 worker_pid.append(cursor.fetchone()[0])
             item = taken.items[0]
-            handed.append(
-                hand_over(run.pk, token, succeeded(item), "worker", uuid.uuid4(), LEASE)
-            )
+            handed.append(hand_over(run.pk, token, succeeded(item), "worker", uuid.uuid4(), LEASE))
         finally:
             connections["default"].close()
 

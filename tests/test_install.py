@@ -146,7 +146,6 @@ def project_env(bin_dir: Path, project: Path) -> dict[str, str]:
     }
 
 
-
 DOCS = ROOT / "docs"
 # Blocks that are examples, and run: Python placed in the project, shell run in bash.
 PYTHON_BLOCKS = {"python"}

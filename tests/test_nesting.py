@@ -35,6 +35,7 @@ def tree(root: BatchRun) -> list[BatchRun]:
 
 def wait_tree(root: BatchRun, timeout: float = 60) -> list[BatchRun]:
     """Wait until every run of the tree has ended (the inline children run on their own)."""
+
     def ended() -> list[BatchRun] | None:
         runs = tree(BatchRun.objects.get(pk=root.pk))
         return runs if all(r.is_terminal for r in runs) else None
@@ -89,9 +90,7 @@ def test_a_parents_max_parallel_bounds_how_many_children_run_at_once() -> None:
     children = [r for r in runs if r.parent_item_id and r.definition == "nest_files"]
     assert len(children) == 6
     spans = sorted(
-        (ts, step)
-        for c in children
-        for ts, step in ((c.started_at, 1), (c.finished_at, -1))
+        (ts, step) for c in children for ts, step in ((c.started_at, 1), (c.finished_at, -1))
     )
     peak = now = 0
     for _, step in spans:
@@ -150,4 +149,3 @@ def test_cancelling_the_parent_cancels_every_unfinished_descendant() -> None:
     leaves = [r for r in runs if r.definition == "nest_files"]
     assert sum(r.items.filter(status=ItemStatus.CANCELLED).count() for r in leaves) > 0
     wait_until(lambda: other_sessions() == 0, 30, "the tree's worker threads to end")
-

@@ -48,7 +48,7 @@ def test_a_backslash_before_u0000_in_a_result_is_text_that_is_stored() -> None:
     assert (run.status, run.stalled) == (RunStatus.SUCCEEDED, "")
 
 
-def test_a_handler_error_holding_a_nul_or_a_lone_surrogate_fails_its_item_once_with_it_escaped(
+def test_a_handler_error_holding_a_nul_or_a_lone_surrogate_fails_its_item_once_with_it_escaped(  # noqa: E501
 ) -> None:
     # PostgreSQL's text holds neither a NUL character nor a lone surrogate: an error message
     # carrying one failed at record time, as an unstorable result did.

@@ -145,8 +145,9 @@ def running_parent_with_an_item_failed_by_its_child() -> tuple[BatchRun, BatchRu
     return parent, child
 
 
-def test_a_cancel_of_the_parent_while_retry_failed_reopens_its_child_leaves_no_child_running(
-) -> None:
+def test_a_cancel_of_the_parent_while_retry_failed_reopens_its_child_leaves_no_child_running() -> (
+    None
+):
     parent, child = running_parent_with_an_item_failed_by_its_child()
     held, release = threading.Event(), threading.Event()
     retried: list[object] = []

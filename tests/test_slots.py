@@ -227,9 +227,12 @@ def test_a_worker_stopped_past_its_leases_neither_exceeds_the_limit_nor_records(
     stalled_pid = str(first.pid)
     # Its leases (3 s) run out while it is stopped; a second worker reclaims them.
     wait_until(
-        lambda: not ItemClaim.objects.filter(run=run).in_flight().filter(
-            owner__contains=f":{stalled_pid}:"
-        ).exists(),
+        lambda: (
+            not ItemClaim.objects.filter(run=run)
+            .in_flight()
+            .filter(owner__contains=f":{stalled_pid}:")
+            .exists()
+        ),
         30,
         "the stopped worker's leases to run out",
     )

@@ -71,9 +71,7 @@ class Exported:
         ]
 
     def values(self, name: str, *labels: str) -> dict[tuple[str, ...], Any]:
-        return {
-            tuple(p.attributes[label] for label in labels): p.value for p in self.points(name)
-        }
+        return {tuple(p.attributes[label] for label in labels): p.value for p in self.points(name)}
 
 
 @pytest.fixture
@@ -134,9 +132,7 @@ def test_a_run_is_one_span_from_its_creation_to_its_end(otel: Exported) -> None:
 
 @override_settings(FANOUT_OTEL_ITEM_SAMPLE_RATE=1.0)
 def test_item_spans_are_roots_of_their_own_that_link_to_the_runs_span(otel: Exported) -> None:
-    run = start(
-        "t_collect", {"n": 4, "permanent": ["k00002"], "flaky": {"k00001": 1}}, workers=2
-    )
+    run = start("t_collect", {"n": 4, "permanent": ["k00002"], "flaky": {"k00001": 1}}, workers=2)
 
     (run_span,) = otel.run_spans()
     assert run_span.context is not None

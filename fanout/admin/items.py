@@ -364,9 +364,7 @@ class ItemClaimAdmin(FanoutAdmin):
         self.message_user(request, text, messages.SUCCESS if retried else messages.WARNING)
         redispatch(self, request, runs)
 
-    @action(
-        description="Cancel selected pending items", permissions=["cancel"]
-    )
+    @action(description="Cancel selected pending items", permissions=["cancel"])
     def cancel_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
         pending = queryset.filter(status=ItemStatus.PENDING)
         run_ids = list(pending.values_list("run_id", flat=True).distinct().order_by())

@@ -296,6 +296,14 @@ class BatchRunAdmin(FanoutAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, run: BatchRun) -> str:
+        # An open run that nobody works on says so where the eye lands first, not only in the
+        # reason under its bar: "Running" there read as all well.
+        progress: Progress | None = getattr(run, "fanout_progress", None)
+        if progress is not None and progress.stalled and not run.is_terminal:
+            return format_html(
+                '<span class="fanout-badge fanout-failed" title="{}">Stalled</span>',
+                run.get_status_display(),
+            )
         return format_html(
             '<span class="fanout-badge fanout-{}">{}</span>', run.status, run.get_status_display()
         )

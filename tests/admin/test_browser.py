@@ -186,8 +186,14 @@ def test_every_console_page_fits_a_laptop_screen_with_errors_and_reasons_in_view
         expect(table).to_contain_text(re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"))
         row = table.locator("tr", has=page.get_by_role("link", name=f"#{stalled.pk}", exact=True))
         expect(row.locator(".fanout-stalled")).to_contain_text("stalled: nothing running")
+        expect(row.locator(".fanout-badge")).to_have_text("Stalled")
+        busy_row = table.locator("tr", has=page.get_by_role("link", name=f"#{busy.pk}", exact=True))
+        expect(busy_row.locator(".fanout-badge")).to_have_text("Running")
         shoot("runs")
-        assert_fits(page, "#result_list td, #result_list th", row_height=100)
+        # A stalled run's reason is shown whole (what to do comes last), up to seven short lines
+        # under its bar at 1366 px; the other rows stay three or four lines tall.
+        assert_fits(page, "#result_list td, #result_list th", row_height=150)
+        assert busy_row.bounding_box()["height"] <= 100
 
         # The busy run's page: failures by class with their error clipped, what waits and why.
         page.goto(f"{admin}/batchrun/{busy.pk}/change/")

@@ -33,7 +33,8 @@ def failed_inline_run() -> BatchRun:
 
 
 def test_an_admin_retry_of_an_inline_runs_failed_items_finishes_the_run_on_rq_workers(
-    processes: Any, django_user_model: Any  # noqa: F811
+    processes: Any,  # noqa: F811
+    django_user_model: Any,
 ) -> None:
     run = failed_inline_run()
     worker = processes.worker("fanout")

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import InterfaceError, OperationalError, connection
 
-from fanout.checks import pools_named_by
+from fanout.checks import DRIFT_SAID_BY_COMMAND, pools_named_by
 from fanout.definition import EXECUTORS, FanOut, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
 from fanout.errors import EmptyWorkList, FanoutError
@@ -177,6 +177,7 @@ class Command(BaseCommand):
         super().run_from_argv(argv)
 
     def execute(self, *args: Any, **options: Any) -> Any:
+        said = DRIFT_SAID_BY_COMMAND.set(True)  # the start line says a pool's drift
         try:
             return super().execute(*args, **options)
         except RunEnded as ended:
@@ -184,6 +185,8 @@ class Command(BaseCommand):
                 raise
             self.stderr.write(str(ended))
             sys.exit(ended.returncode)
+        finally:
+            DRIFT_SAID_BY_COMMAND.reset(said)
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["list"]:
