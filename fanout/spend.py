@@ -403,3 +403,89 @@ def after_hand_over(
 def spent_by(costs: Iterable[Mapping[str, float] | None]) -> Units:
     """Spend summed over items' costs (for reports)."""
     return total(costs)
+
+
+# ---------------------------------------------------------------------------- visibility
+
+
+def _open_account(account: SpendAccount, now: datetime) -> SpendAccount:
+    """The account as the next claim will see it: a pool's period that has passed is spent
+    from zero (not written: only a claim, under the lock, rolls it over)."""
+    if account.period and account.period_started_at is not None:
+        if now >= account.period_started_at + timedelta(seconds=account.period):
+            account.spent = 0.0
+    return account
+
+
+def _holds(account: SpendAccount, need: float) -> bool:
+    used = account.spent + account.reserved
+    return used + need > account.budget + _EPSILON or (need == 0 and used >= account.budget)
+
+
+def run_hold(run_id: int, now: datetime) -> str:
+    """Why the run's budget admits none of its due items now ("" when it admits the next, or
+    it has no budget): its next due item's estimate is what a claim would hold."""
+    accounts = [_open_account(a, now) for a in SpendAccount.objects.filter(run_id=run_id)]
+    if not accounts:
+        return ""
+    estimate = (
+        ItemClaim.objects.pending_due(now)
+        .filter(run_id=run_id)
+        .order_by("index")
+        .values_list("estimate", flat=True)
+        .first()
+    ) or {}
+    for account in accounts:
+        if _holds(account, estimate.get(account.unit, 0.0)):
+            return describe(account.unit, account.spent, account.budget, account.reserved)
+    return ""
+
+
+def pool_holds(names: Iterable[str], now: datetime) -> dict[str, str]:
+    """Pools whose budget is spent (spent plus reserved at the budget), and why, in words."""
+    held: dict[str, str] = {}
+    for account in SpendAccount.objects.filter(pool__in=list(names)).order_by("pool", "unit"):
+        account = _open_account(account, now)
+        if account.pool and account.pool not in held and _holds(account, 0.0):
+            held[account.pool] = describe(
+                account.unit, account.spent, account.budget, account.reserved
+            )
+    return held
+
+
+def budget_rows(accounts: Iterable[SpendAccount], now: datetime) -> list[dict[str, Any]]:
+    """Budgets as the admin, the --json report and the metrics show them."""
+    rows = []
+    for account in accounts:
+        account = _open_account(account, now)
+        rows.append(
+            {
+                "unit": account.unit,
+                "budget": account.budget,
+                "spent": round(account.spent, 9),
+                "reserved": round(max(account.reserved, 0.0), 9),
+                "fraction": (account.spent + account.reserved) / account.budget
+                if account.budget
+                else 1.0,
+                **({"period_seconds": account.period} if account.period else {}),
+                **(
+                    {"period_started_at": account.period_started_at}
+                    if account.period_started_at
+                    else {}
+                ),
+            }
+        )
+    return rows
+
+
+def run_report(run_id: int, now: datetime) -> dict[str, Any]:
+    """A run's spend for its report: what its items cost by unit, what its running items hold,
+    and its budget; {} for a run that counts nothing."""
+    items = ItemClaim.objects.filter(run_id=run_id)
+    costs = items.filter(cost__isnull=False).values_list("cost", flat=True)
+    held = items.running().filter(estimate__isnull=False).values_list("estimate", flat=True)
+    budgets = budget_rows(SpendAccount.objects.filter(run_id=run_id), now)
+    spent, reserved = total(costs), total(held)
+    if not (spent or reserved or budgets):
+        return {}
+    return {"spend": {"spent": spent, "reserved": reserved, "budgets": budgets}}

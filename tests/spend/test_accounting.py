@@ -8,6 +8,7 @@ import pytest
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
 from fanout.models import ItemClaim, RunStatus, SpendAccount
+from fanout.report import final_report, snapshot
 from tests.procs import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -59,3 +60,29 @@ def test_a_run_budget_stops_admission_and_the_items_left_wait_unrun() -> None:
     waiting = [i for i in items if i.status == "pending"]
     assert len(waiting) == 20 - len(done)
     assert all(i.attempt == 1 and i.cost is None for i in waiting)
+
+
+def test_a_run_held_by_its_budget_says_so_in_progress_and_in_the_json_report() -> None:
+    definition = get_definition("spend_work")
+    run = prepare_run(definition, {"n": 6, "estimate": 0.3}, max_spend={"usd": 0.5})
+    handle = dispatch(run, definition, "inline", 2)
+    assert handle is not None
+    account = SpendAccount.objects.get(run=run, unit="usd")
+
+    def held() -> bool:
+        account.refresh_from_db()
+        running = ItemClaim.objects.filter(run=run, status="running").exists()
+        return account.spent > 0 and not running and account.reserved < 1e-9
+
+    try:
+        wait_until(held, 30, "the budget to hold the run")
+    finally:
+        handle.stop.set()
+        handle.join(timeout=30)
+    account.refresh_from_db()
+    expected = f"budget spent (${account.spent:,.2f} of $0.50, $0.00 reserved)"
+    assert snapshot(run).why == expected
+    report = final_report(run)
+    assert report["why"] == expected
+    assert report["spend"]["spent"]["usd"] == pytest.approx(account.spent)
+    assert report["spend"]["budgets"][0]["budget"] == 0.5

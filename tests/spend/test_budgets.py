@@ -43,7 +43,7 @@ def all_exit_0(procs: list[subprocess.Popen[str]]) -> None:
         assert code == 0, f"worker exited {code}:\n{out}\n{err}"
 
 
-def test_a_budget_with_upper_bound_estimates_is_never_passed_by_2_processes_of_8_threads_and_a_raised_one_resumes_the_run(
+def test_upper_bound_estimates_never_pass_a_budget_under_2x8_workers_and_raising_it_resumes(
     workers: Workers,
 ) -> None:
     budget = 3.0
