@@ -160,10 +160,17 @@ def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
     if held:
         return held
     if activity.live:
-        return f"{activity.live} running, up to {run.max_parallel} allowed: no more workers free"
+        return f"{activity.live} running, up to {run.max_parallel} allowed: {_short_of(run)}"
     if not may_stall(run, activity, now):
         return ""
     return _stalled(run, activity, now)
+
+
+def _short_of(run: BatchRun) -> str:
+    """What would run more of a run whose limits allow more than runs: its executor's threads."""
+    if run.executor == "inline":
+        return "every thread of its run_fanout is busy (--workers sets how many)"
+    return "no other worker thread is free (another rqworker adds threads)"
 
 
 def _stalled(run: BatchRun, activity: RunActivity, now: datetime) -> str:

@@ -96,8 +96,21 @@ def wrapped(text: str, css: str = "") -> str:
     return format_html('<span class="fanout-wrap {}" title="{}">{}</span>', css, text, text)
 
 
-def worker_name(owner: str) -> str:
-    """A lease holder (host:pid:thread), wrapping only between its parts."""
+def worker_name(owner: str, short: bool = False) -> str:
+    """A lease holder (host:pid:thread), wrapping only between its parts. ``short`` (a list's
+    narrow column): the host's first label and the process, its thread on a line below, the
+    whole name in the tooltip; a fully qualified host broke mid-word over five lines."""
+    host, *rest = owner.split(":")
+    if short and len(rest) > 1:
+        label = host if host.replace(".", "").isdigit() else host.split(".")[0]
+        return format_html(
+            '<span class="fanout-worker" title="{}"><span class="fanout-host">{} · {}</span>'
+            '<span class="fanout-sub">{}</span></span>',
+            owner,
+            label,
+            rest[0],
+            " · ".join(rest[1:]),  # wraps at its spaces, never inside a part
+        )
     parts = format_html_join(mark_safe(":<wbr>"), "{}", ((p,) for p in owner.split(":")))
     return format_html('<span class="fanout-wrap fanout-worker" title="{}">{}</span>', owner, parts)
 

@@ -287,7 +287,7 @@ class ItemClaimAdmin(FanoutAdmin):
         """The lease holder (or the last one), and while it runs, when its lease expires."""
         if not item.owner:
             return ""
-        holder = worker_name(item.owner)
+        holder = worker_name(item.owner, short=True)
         if item.status != ItemStatus.RUNNING or item.lease_expires_at is None:
             return holder
         now = getattr(item, "fanout_now", None) or timezone.now()

@@ -539,7 +539,7 @@ def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at
         assert_seen_whole(counts.first, "/")
         # ...and why the running run waits, the limit that binds first, to its last word.
         why = page.locator("#result_list td.field-progress_bar .fanout-why")
-        assert_seen_whole(why.filter(has_text="allowed"), "no more workers free")
+        assert_seen_whole(why.filter(has_text="allowed"), "(--workers sets how many)")
 
         # The failed items: each error's class and message, and the worker that ran it.
         page.goto(f"{admin}/itemclaim/?run={failed.pk}&status=failed")
@@ -548,7 +548,13 @@ def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at
         error = page.locator("#result_list td.field-last_error .fanout-wrap").first
         assert_seen_whole(error, f"PermanentError: {CARD_DECLINED}")
         assert "fanout.errors" not in error.inner_text()
-        assert_seen_whole(page.locator("#result_list td.field-lease .fanout-worker").first, WORKER)
+        # The worker: its host's first label and process, its thread below, each whole; the
+        # fully qualified name in the tooltip.
+        worker = page.locator("#result_list td.field-lease .fanout-worker").first
+        assert_seen_whole(worker.locator(".fanout-host"), "worker-7 · 48211")
+        assert_seen_whole(worker.locator(".fanout-sub"), "fanout-drain-3")
+        assert worker.get_attribute("title") == WORKER
+        assert worker.bounding_box()["height"] < 4 * 18, worker.bounding_box()
 
         # The run's page says why it failed, and offers nothing to edit or save.
         page.goto(f"{admin}/batchrun/{failed.pk}/change/")

@@ -11,6 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from fanout.admin import ItemClaimAdmin
+from fanout.admin.common import worker_name
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
 
@@ -154,7 +155,10 @@ def test_each_item_says_why_it_waits(admin_client):
     assert why[by_pool.pk] == "paused-api: pool paused"
     assert why[ready.pk] == "ready: the next free worker claims it"
     assert why[full.pk] == "run at max_parallel (4/4)"
-    assert why[short_of_workers.pk] == "1 running, up to 4 allowed: no more workers free"
+    assert why[short_of_workers.pk] == (
+        "1 running, up to 4 allowed: every thread of its run_fanout is busy "
+        "(--workers sets how many)"
+    )
     # Started five minutes ago, nothing claimed since, nothing running: nobody works on it.
     assert why[stalled.pk] == (
         "stalled: nothing running, no item claimed for 5m 00s; no live worker takes its drain "
@@ -383,8 +387,9 @@ def test_the_failed_item_list_shows_each_errors_short_class_and_its_message(admi
 
     assert ">PermanentError: card declined by the issuer</span>" in page
     assert "fanout.errors.PermanentError" not in page.split('title="')[-1]
-    # The worker wraps between its parts instead of being cut.
-    assert "worker-host-7.eu-west-1.internal:<wbr>48211:<wbr>fanout-drain-3" in page
+    # The worker: its host's first label and process over its thread, the whole in the tooltip.
+    assert '<span class="fanout-host">worker-host-7 · 48211</span>' in page
+    assert 'title="worker-host-7.eu-west-1.internal:48211:fanout-drain-3"' in page
 
 
 def test_only_a_pending_item_shows_when_its_next_attempt_may_start(admin_client):
@@ -448,3 +453,21 @@ def test_retrying_items_of_an_inline_run_without_rq_asks_first(admin_client, set
     )
     assert confirmed.status_code == 302
     assert statuses(run) == {"pending": 2}
+
+
+@pytest.mark.parametrize(
+    ("owner", "host", "thread"),
+    [
+        ("worker-7.eu-west-1.internal:48211:fanout-drain-3", "worker-7 · 48211", "fanout-drain-3"),
+        ("10.0.0.5:311:fanout-drain-1", "10.0.0.5 · 311", "fanout-drain-1"),
+        ("vm:3957:MainThread:inline-4", "vm · 3957", "MainThread · inline-4"),
+    ],
+)
+def test_a_worker_in_a_list_is_its_hosts_first_label_and_process_over_its_thread(
+    owner, host, thread
+):
+    shown = worker_name(owner, short=True)
+
+    assert f'title="{owner}"' in shown
+    assert f'<span class="fanout-host">{host}</span>' in shown
+    assert f'<span class="fanout-sub">{thread}</span>' in shown

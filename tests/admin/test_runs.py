@@ -521,21 +521,37 @@ def test_a_run_that_just_started_is_not_called_stalled(admin_client):
 
 
 @pytest.mark.parametrize(
-    ("running", "max_parallel", "why"),
+    ("running", "max_parallel", "executor", "why"),
     [
-        (4, 4, "run at max_parallel (4/4)"),
-        (2, 8, "2 running, up to 8 allowed: no more workers free"),
+        (4, 4, "inline", "run at max_parallel (4/4)"),
+        (
+            2,
+            8,
+            "inline",
+            "2 running, up to 8 allowed: every thread of its run_fanout is busy "
+            "(--workers sets how many)",
+        ),
+        (
+            2,
+            8,
+            "rq",
+            "2 running, up to 8 allowed: no other worker thread is free "
+            "(another rqworker adds threads)",
+        ),
     ],
 )
 def test_a_run_with_items_ready_says_why_no_more_of_them_run(
-    admin_client, running, max_parallel, why
+    admin_client, running, max_parallel, executor, why
 ):
-    run = make_run({"running": running, "pending": 1050}, max_parallel=max_parallel)
+    run = make_run(
+        {"running": running, "pending": 1050}, max_parallel=max_parallel, executor=executor
+    )
 
     response = admin_client.get(CHANGELIST)
 
     [shown] = [r for r in response.context["cl"].result_list if r.pk == run.pk]
     assert shown.fanout_progress.why == why
+    assert why in response.content.decode()
     assert why in response.content.decode()
 
 
