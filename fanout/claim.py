@@ -18,7 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
@@ -368,12 +368,16 @@ class _Claim:
             return  # this host runs as many of the definition's items as it may
         name = cand["pool"]
         pool = self.pools.get(name)
+        need = _bucket_need(cand, pool)
         if expired:
             # It keeps its slot: only the rate limit (a new call to the provider) applies.
             if pool is not None and pool.tokens is not None:
-                if pool.tokens < 1 - 1e-9 or not self._reserve(cand, reclaim=True):
+                if pool.tokens < need - 1e-9:
+                    self._short(name, pool, need)
                     return
-                self._spend_token(name, pool)
+                if not self._reserve(cand, reclaim=True):
+                    return
+                self._spend_token(name, pool, need)
             elif name and pool is None:
                 return
             elif not self._reserve(cand, reclaim=True):
@@ -385,12 +389,15 @@ class _Claim:
             return
         if name and self.rooms[name].count <= 0:
             return
+        if pool is not None and pool.tokens is not None and pool.tokens < need - 1e-9:
+            self._short(name, pool, need)
+            return
         if not self._reserve(cand, reclaim=False):
             return
         if name:
             self.rooms[name].count -= 1
             if pool is not None and pool.tokens is not None:
-                pool.tokens -= 1
+                pool.tokens -= need
         self._take_host_slot()
         self.fresh.append(cand)
 
@@ -400,15 +407,26 @@ class _Claim:
             return True
         return not self.gate.admit(cand.get("estimate"), cand["pool"], reclaim)
 
-    def _spend_token(self, name: str, pool: CapacityPool) -> bool:
-        """Take a token for a reclaimed item; the tokens left bound the fresh items too.
+    def _short(self, name: str, pool: CapacityPool, need: float) -> None:
+        """The bucket holds less than the item takes: the pool admits nothing more now (the
+        items behind it wait their turn), until the bucket holds enough."""
+        assert pool.tokens is not None and pool.rate_count is not None
+        wait = (need - pool.tokens) * pool.rate_period / pool.rate_count
+        until = self.now + timedelta(seconds=wait)
+        self.rooms[name] = Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
+        self.blocked.add(name)
 
-        The pool's room was counted from the tokens before this one was spent: left as it
+    def _spend_token(self, name: str, pool: CapacityPool, need: float = 1.0) -> bool:
+        """Take a reclaimed item's tokens; the tokens left bound the fresh items too.
+
+        The pool's room was counted from the tokens before these were spent: left as it
         was, a fresh item of the same claim could take a token that is gone.
         """
-        if pool.tokens is None or pool.tokens < 1 - 1e-9:
+        if pool.tokens is None or pool.tokens < need - 1e-9:
             return False
-        pool.tokens -= 1
+        pool.tokens -= need
+        if pool.rate_unit:
+            return True  # fresh items are measured against the bucket one by one
         whole = math.floor(pool.tokens + 1e-9)
         if whole < self.rooms[name].count:
             self.rooms[name].count = whole
@@ -501,6 +519,14 @@ def walking_indexes() -> Iterator[None]:
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL enable_sort = on")
+
+
+def _bucket_need(cand: dict, pool: CapacityPool | None) -> float:
+    """What an admission takes from the pool's bucket: one call, or, for a pool whose rate
+    counts a unit ("90000 tokens/m"), the item's estimate in that unit."""
+    if pool is None or not pool.rate_unit:
+        return 1.0
+    return float((cand.get("estimate") or {}).get(pool.rate_unit, 0.0))
 
 
 def _pool_runs(names: list[str]) -> dict[str, Counter[int]]:

@@ -40,7 +40,7 @@ from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
-from .spend import open_run_budget
+from .spend import open_run_budget, unfit
 
 logger = logging.getLogger("fanout")
 
@@ -306,6 +306,12 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
         if new_pools:
             ensure_pools(new_pools)
             known_pools |= new_pools
+        if new_pools or definition.costing is not None:
+            # A pool whose rate counts tokens refuses, before any item is written, an item
+            # it could never admit.
+            why = unfit(definition.name, ((r.key, r.pool, r.estimate) for r in rows))
+            if why:
+                raise MaterializeError(why)
         first = rows[0].position
         try:
             with transaction.atomic():

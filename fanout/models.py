@@ -302,6 +302,13 @@ class CapacityPool(models.Model):
         null=True, blank=True, help_text="Admissions per period; empty for no rate limit."
     )
     rate_period = models.FloatField(default=1.0, help_text="Seconds in the rate's period.")
+    rate_unit = models.CharField(
+        max_length=40,
+        blank=True,
+        default="",
+        help_text="What the rate counts: empty for calls, else a unit of the items' estimates "
+        "(e.g. tokens: each admission takes its estimate, corrected by what the call cost).",
+    )
     burst = models.PositiveIntegerField(
         null=True, blank=True, help_text="Admissions allowed at once; defaults to the rate count."
     )
@@ -351,7 +358,8 @@ class CapacityPool(models.Model):
     def describe_rate(self) -> str:
         if self.rate_count is None:
             return "unlimited"
-        return f"{self.rate_count}/{self.rate_period:g}s (burst {self.capacity})"
+        unit = f" {self.rate_unit}" if self.rate_unit else ""
+        return f"{self.rate_count}{unit}/{self.rate_period:g}s (burst {self.capacity}{unit})"
 
 
 class SpendAccount(models.Model):

@@ -30,19 +30,33 @@ _PERIODS = {
     "d": 86400.0,
     "day": 86400.0,
 }
-_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
+_RATE = re.compile(
+    r"^\s*(\d+)\s*([a-z_][a-z0-9_.-]*)?\s*/\s*(\d*\.?\d*)\s*([a-z]+)\s*$", re.IGNORECASE
+)
 
 
 def parse_rate(text: str) -> tuple[int, float]:
     """Parse "100/m", "20/s", "5/10s" into (count, period seconds)."""
-    match = _RATE.match(str(text).lower())
-    if not match or match.group(3) not in _PERIODS:
-        raise FanoutError(f"rate {text!r} is not of the form N/s, N/m, N/h or N/d (e.g. '100/m')")
+    count, period, unit = parse_unit_rate(text)
+    if unit:
+        raise FanoutError(f"rate {text!r} counts calls here: give it without a unit ('100/m')")
+    return count, period
+
+
+def parse_unit_rate(text: str) -> tuple[int, float, str]:
+    """Parse "100/m" (calls) or "90000 tokens/m" (a unit of the items' estimates) into
+    (count, period seconds, unit or "")."""
+    match = _RATE.match(str(text))
+    if not match or match.group(4).lower() not in _PERIODS:
+        raise FanoutError(
+            f"rate {text!r} is not of the form N/s, N/m, N/h or N/d (e.g. '100/m'), "
+            "or N unit/period (e.g. '90000 tokens/m')"
+        )
     count = int(match.group(1))
-    multiple = float(match.group(2)) if match.group(2) else 1.0
+    multiple = float(match.group(3)) if match.group(3) else 1.0
     if count < 1 or multiple <= 0:
         raise FanoutError(f"rate {text!r} must admit at least 1 item per period")
-    return count, multiple * _PERIODS[match.group(3)]
+    return count, multiple * _PERIODS[match.group(4).lower()], match.group(2) or ""
 
 
 _PERIOD = re.compile(r"^\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
@@ -86,14 +100,20 @@ def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(config) - {"max_concurrency", "rate", "burst", "paused", "budget"})
     if unknown:
         raise FanoutError(f"FANOUT_POOLS[{name!r}] has unknown keys: {', '.join(unknown)}")
-    limits: dict[str, Any] = {"rate_count": None, "rate_period": 1.0, "burst": None}
+    limits: dict[str, Any] = {
+        "rate_count": None,
+        "rate_period": 1.0,
+        "rate_unit": "",
+        "burst": None,
+    }
     concurrency = config.get("max_concurrency", 10)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
         raise FanoutError(f"FANOUT_POOLS[{name!r}]: max_concurrency must be an integer >= 0")
     limits["max_concurrency"] = concurrency
     if config.get("rate") is not None:
         try:
-            limits["rate_count"], limits["rate_period"] = parse_rate(config["rate"])
+            rate = parse_unit_rate(config["rate"])
+            limits["rate_count"], limits["rate_period"], limits["rate_unit"] = rate
         except FanoutError as exc:
             raise FanoutError(f"FANOUT_POOLS[{name!r}]: {exc}") from None
     burst = config.get("burst")
@@ -219,6 +239,13 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
     free = pool.max_concurrency - in_flight
     if free <= 0:
         return Headroom(0, f"pool full ({in_flight}/{pool.max_concurrency})", full=True)
+    if pool.tokens is not None and pool.rate_count is not None and pool.rate_unit:
+        # Each admission takes its item's estimate: the claim decides item by item.
+        if pool.tokens < 1e-9:
+            wait = (1.0 - pool.tokens) * pool.rate_period / pool.rate_count
+            until = now + timedelta(seconds=wait)
+            return Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
+        return Headroom(free)
     if pool.tokens is not None and pool.rate_count is not None:
         tokens = math.floor(pool.tokens + 1e-9)
         if tokens < 1:
@@ -229,7 +256,7 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
     return Headroom(free)
 
 
-_DRIFT_FIELDS = ("max_concurrency", "rate_count", "rate_period", "burst")
+_DRIFT_FIELDS = ("max_concurrency", "rate_count", "rate_period", "burst", "rate_unit")
 
 
 def settings_drift(pool: CapacityPool) -> str:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, FloatField, Q, Value, When
 
-from .cost import Units, add, describe, total
-from .models import ItemClaim, ItemStatus, SpendAccount
+from .cost import Units, add, amount, describe, total
+from .models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
 
 if TYPE_CHECKING:
     from .transitions import ExecutionOutcome
@@ -299,17 +299,47 @@ def settle(rows: Sequence[tuple[int, int, str]], outcomes: Sequence[ExecutionOut
     changes: dict[tuple[int | None, str | None], dict[str, list[float]]] = defaultdict(
         lambda: defaultdict(lambda: [0.0, 0.0])
     )
+    corrections: dict[str, Units] = defaultdict(dict)
     for pk, estimate, cost in found:
         spent = actual(by_pk[pk], estimate)
         if spent:
             ItemClaim.objects.filter(pk=pk).update(cost=add(cost, spent))
         run_id, pool = where[pk]
+        if pool:
+            corrections[pool] = add(corrections[pool], overran(spent, estimate))
         for owner in ((run_id, None), (None, pool)) if pool else ((run_id, None),):
             for unit, n in spent.items():
                 changes[owner][unit][0] += n
             for unit, n in (estimate or {}).items():
                 changes[owner][unit][1] -= n
+    correct_buckets(corrections)
     _shift(changes)
+
+
+def overran(spent: Mapping[str, float], estimate: Mapping[str, float] | None) -> Units:
+    """What a call cost beyond its estimate, by unit (negative: below it)."""
+    units = set(spent) | set(estimate or {})
+    return {u: spent.get(u, 0.0) - (estimate or {}).get(u, 0.0) for u in units}
+
+
+def correct_buckets(corrections: Mapping[str, Mapping[str, float]]) -> None:
+    """Pools whose rate counts a unit took items' estimates from their buckets: what the calls
+    cost beyond (or below) them is taken (or given back) now. The pools' rows are locked by
+    the caller already (it gave their slots back), in name order."""
+    for name in sorted(corrections):
+        units = {u: d for u, d in corrections[name].items() if d}
+        if not units:
+            continue
+        CapacityPool.objects.filter(name=name, rate_unit__in=list(units)).filter(
+            tokens__isnull=False
+        ).update(
+            tokens=F("tokens")
+            - Case(
+                *(When(rate_unit=u, then=Value(d)) for u, d in units.items()),
+                default=Value(0.0),
+                output_field=FloatField(),
+            )
+        )
 
 
 def charge_lost(pks: Sequence[int]) -> None:
@@ -369,6 +399,8 @@ def after_hand_over(
     spent = actual(outcome, estimate)
     if spent:
         ItemClaim.objects.filter(pk=outcome.pk).update(cost=add(cost, spent))
+    if outcome.pool:
+        correct_buckets({outcome.pool: overran(spent, estimate)})
     reserve = (found.get(next_pk, (None, None))[0] or {}) if next_pk is not None else {}
     changes: dict[tuple[int | None, str | None], dict[str, list[float]]] = defaultdict(
         lambda: defaultdict(lambda: [0.0, 0.0])
@@ -403,6 +435,42 @@ def after_hand_over(
 def spent_by(costs: Iterable[Mapping[str, float] | None]) -> Units:
     """Spend summed over items' costs (for reports)."""
     return total(costs)
+
+
+# ------------------------------------------------------------------------ token-rate pools
+
+
+def unfit(name: str, rows: Iterable[tuple[str, str, Mapping[str, float] | None]]) -> str:
+    """Why some of these items (key, pool, estimate) could never be admitted by their pool's
+    token bucket, "" when all can: an estimate larger than the bucket, or none at all for a
+    pool whose rate counts a unit."""
+    rows = list(rows)
+    names = {pool for _, pool, _ in rows if pool}
+    if not names:
+        return ""
+    pools = {
+        p.name: p
+        for p in CapacityPool.objects.filter(name__in=names, rate_count__isnull=False).exclude(
+            rate_unit=""
+        )
+    }
+    for key, pool_name, estimate in rows:
+        pool = pools.get(pool_name)
+        if pool is None:
+            continue
+        if estimate is None:
+            return (
+                f"fan-out {name!r}: pool {pool.name!r} counts {pool.rate_unit} "
+                f"({pool.describe_rate()}): give the definition a cost= in {pool.rate_unit}"
+            )
+        need = estimate.get(pool.rate_unit, 0.0)
+        if pool.capacity is not None and need > pool.capacity + _EPSILON:
+            return (
+                f"fan-out {name!r}: item {key!r} is estimated at "
+                f"{amount(pool.rate_unit, need)}, more than pool {pool.name!r}'s bucket holds "
+                f"({pool.describe_rate()}): it could never be admitted"
+            )
+    return ""
 
 
 # ---------------------------------------------------------------------------- visibility

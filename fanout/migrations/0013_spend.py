@@ -117,6 +117,15 @@ BEGIN
         END IF;
     END IF;
 
+    -- A pool whose rate counts a unit took the estimate from its bucket: what the call cost
+    -- beyond (or below) it is taken (or given back) now.
+    IF v_pool <> '' AND v_actual IS DISTINCT FROM v_estimate THEN
+        UPDATE fanout_capacitypool AS p SET
+            tokens = p.tokens - COALESCE((v_actual ->> p.rate_unit)::float8, 0)
+                + COALESCE((v_estimate ->> p.rate_unit)::float8, 0)
+        WHERE p.name = v_pool AND p.rate_unit <> '' AND p.tokens IS NOT NULL;
+    END IF;
+
     -- Budgets: the run's accounts, then the pool's (the order every transaction keeps).
     IF p_run_budget THEN
         UPDATE fanout_spendaccount AS a SET
@@ -180,6 +189,18 @@ class Migration(migrations.Migration):
             model_name="itemclaim",
             name="estimate",
             field=models.JSONField(blank=True, null=True),
+        ),
+        migrations.AddField(
+            model_name="capacitypool",
+            name="rate_unit",
+            field=models.CharField(
+                blank=True,
+                default="",
+                help_text="What the rate counts: empty for calls, else a unit of the items' "
+                "estimates (e.g. tokens: each admission takes its estimate, corrected by what the "
+                "call cost).",
+                max_length=40,
+            ),
         ),
         migrations.CreateModel(
             name="SpendAccount",

@@ -96,3 +96,26 @@ FanOut(
     cost={"usd": 0.25, "requests": 1},
     params={"n": (int, 20)},
 )
+
+TOKEN_POOL = "spend-tokens"
+
+
+def tokens_work(item: Item) -> int:
+    if item.params.get("sleep"):
+        time.sleep(float(item.params["sleep"]))
+    item.report_cost(tokens=item.payload["tokens"])  # what it was estimated at, exactly
+    return item.payload["tokens"]
+
+
+FanOut(
+    "spend_tokens",
+    over=lambda params: [
+        {"n": i, "tokens": int(params["tokens"]) + 50 * (i % 3)} for i in range(int(params["n"]))
+    ],
+    key=lambda cell: f"k{cell['n']:05d}",
+    do=tokens_work,
+    cost=lambda item: {"tokens": item.payload["tokens"]},
+    pool=TOKEN_POOL,
+    max_parallel=16,
+    params={"n": (int, 20), "tokens": (int, 100), "sleep": (float, 0.0)},
+)
