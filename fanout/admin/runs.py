@@ -9,7 +9,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.db.models import Exists, OuterRef, QuerySet
+from django.db.models import Count, Exists, OuterRef, QuerySet
 from django.http import Http404, HttpRequest, HttpResponseRedirect, JsonResponse
 from django.template.loader import render_to_string
 from django.urls import path, reverse
@@ -20,7 +20,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from .. import recover
 from ..definition import get_definition
 from ..errors import FanoutError
-from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 from ..recover import RETRYABLE_RUNS
 from ..report import (
     BAR_WIDTH,
@@ -406,6 +406,7 @@ class BatchRunAdmin(FanoutAdmin):
             ],
             "join_result_json": json.dumps(run.join_result, indent=2),
             "counter_drift": counter_drift_display(self, run) if run.counter_drift else "",
+            "lost": workers_lost(run),
             "failed_why": why_it_failed(run, progress),
             "failures": [
                 {
@@ -550,3 +551,20 @@ class BatchRunAdmin(FanoutAdmin):
         if not runs:
             self.message_user(request, "No running run selected.", messages.WARNING)
         redispatch(self, request, runs)
+
+
+def workers_lost(run: BatchRun) -> str:
+    """How many attempts of the run a dead (or stopped) worker cut off: each left a WorkerLost
+    attempt in its item's history when its lease was reclaimed. One query over the attempt
+    history, which holds failed attempts only."""
+    lost = ItemAttempt.objects.filter(item__run_id=run.pk, error_class="WorkerLost").aggregate(
+        attempts=Count("pk"), items=Count("item_id", distinct=True)
+    )
+    if not lost["attempts"]:
+        return ""
+    return (
+        f"{plural(lost['attempts'], 'attempt')} of {plural(lost['items'], 'item')} "
+        f"{'was' if lost['attempts'] == 1 else 'were'} cut off "
+        "by a worker that stopped renewing its lease (each item ran again, or failed past its "
+        "crash budget)"
+    )

@@ -11,7 +11,7 @@ from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 from django.utils import timezone
 
-from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 from fanout.recover import retry_failed
 from fanout.report import snapshot
 
@@ -502,6 +502,27 @@ def test_a_run_whose_workers_died_holding_leases_says_it_stalled(admin_client):
     assert progress.activity.expired == 2 and progress.activity.live == 0
     assert progress.why.startswith("stalled: nothing running, no item claimed for 2m")
     assert progress.why.endswith(f"resume it with `manage.py run_fanout --resume {run.pk}`")
+
+
+def test_the_run_page_says_how_many_attempts_lost_workers_cut_off(admin_client):
+    run = make_run({"succeeded": 3, "running": 1})
+    first, second = ItemClaim.objects.filter(run=run).order_by("index")[:2]
+    for item, attempt in ((first, 1), (first, 2), (second, 1)):
+        ItemAttempt.objects.create(item=item, attempt=attempt, error_class="WorkerLost")
+    ItemAttempt.objects.create(item=second, attempt=2, error_class="ValueError")
+    other = make_run({"succeeded": 1})
+    ItemAttempt.objects.create(item=other.items.get(), attempt=1, error_class="WorkerLost")
+
+    page = admin_client.get(change_url(run)).content.decode()
+
+    assert (
+        "Workers lost: 3 attempts of 2 items were cut off by a worker that stopped renewing "
+        "its lease (each item ran again, or failed past its crash budget)"
+    ) in page
+    assert (
+        "Workers lost"
+        not in admin_client.get(change_url(make_run({"succeeded": 2}))).content.decode()
+    )
 
 
 def test_a_stalled_run_of_a_definition_nobody_registered_says_so(admin_client):
