@@ -27,7 +27,7 @@ RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq
 	tests/test_counters.py tests/pools/test_rate_overspend.py tests/test_hand_over.py \
 	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py
 
-.PHONY: venv demo test test-mariadb matrix docs lint clean
+.PHONY: venv demo demo-llm test test-mariadb matrix docs lint clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,12 @@ $(STAMP): pyproject.toml $(wildcard fanout/__init__.py)
 demo: $(DEMO_STAMP)
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py run_fanout thumbnails
+
+# The LLM sweep (docs/budgets.md): token-rate pools with budgets over fake providers, SQLite.
+demo-llm: $(DEMO_STAMP)
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py fanout_pools --sync
+	$(PY) manage.py run_fanout llm_sweep
 
 # `make test` runs the model of transitions and the fresh-project install beside the rest, in a
 # second pytest with a Redis database of its own (each pytest makes its own test database): they

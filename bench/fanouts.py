@@ -71,6 +71,10 @@ FanOut("bench.sleep1ms", do=sleep_1ms, batch_size=BATCH, **common)
 # Per-item commit, the default: each item is claimed durably before it runs and its outcome
 # committed after (on PostgreSQL with the next item's claim, in one statement).
 FanOut("bench.noop_each", do=noop, **common)
+# The same, counting cost (spend phase): an estimate per item, without and with a run budget
+# that never binds, so what is measured is the accounting alone.
+FanOut("bench.noop_each_cost", do=noop, cost={"usd": 0.001}, **common)
+FanOut("bench.noop_each_budget", do=noop, cost={"usd": 0.001}, max_spend={"usd": 1e12}, **common)
 # 20 ms items bound by max_parallel=16: the limit is 800 items/s, reached only if the workers
 # keep 16 items in flight (2 processes x FANOUT_WORKER_THREADS threads).
 FanOut(

@@ -981,6 +981,50 @@ def library_defaults() -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------------ spend accounting
+
+
+def phase_spend(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """What counting cost adds per item: the per-item run, then the same with an estimate per
+    item, then with a run budget too, back to back on the same two RQ workers in each repeat;
+    each ratio is taken within its repeat."""
+    n = cfg.each_items
+    names = {
+        "plain": "bench.noop_each",
+        "cost": "bench.noop_each_cost",
+        "budget": "bench.noop_each_budget",
+    }
+    repeats = []
+    for r in range(cfg.repeats):
+        found: dict[str, dict[str, Any]] = {}
+        with Workers(2, logdir) as pool:
+            warm_up(pool)
+            for label, name in names.items():
+                found[label] = retry_db(
+                    f"spend/{label}", lambda name=name: one_run(name, n, "rq", None, pool)
+                )
+                logged(f"spend/{label}", n, found[label], r)
+        found["ratios"] = {
+            label: found[label]["items_per_s"] / found["plain"]["items_per_s"]
+            for label in ("cost", "budget")
+        }
+        log(
+            f"    items/s with cost / without {found['ratios']['cost']:.3f}, "
+            f"with a budget / without {found['ratios']['budget']:.3f}"
+        )
+        repeats.append(found)
+    reset_tables()
+    out: dict[str, Any] = {
+        f"per_item_commit/{label}": run_entry(name, n, "rq", 2, [f[label] for f in repeats])
+        for label, name in names.items()
+    }
+    for label in ("cost", "budget"):
+        ratios = [f["ratios"][label] for f in repeats]
+        out[f"ratio_{label}_to_plain"] = stats(ratios)
+        out[f"overhead_{label}"] = stats([1 / x - 1 for x in ratios])
+    return out
+
+
 # ------------------------------------------------------------------ 2. batched throughput
 
 
@@ -2852,6 +2896,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 PHASES = (
     "per_item",
+    "spend",
     "throughput",
     "baseline",
     "materialize",
@@ -3107,6 +3152,7 @@ def main(argv: list[str] | None = None) -> int:
     res["config"].update(library_defaults())
     steps = {
         "per_item": lambda: phase_per_item(cfg, logdir),
+        "spend": lambda: phase_spend(cfg, logdir),
         "throughput": lambda: phase_throughput(cfg, logdir),
         "baseline": lambda: phase_baseline(cfg),
         "materialize": lambda: phase_materialize(cfg),

@@ -18,7 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
@@ -38,6 +38,7 @@ from .models import (
     RunStatus,
 )
 from .pools import Headroom, headroom, refill
+from .spend import Gate
 from .transitions import ClaimedItem
 
 if TYPE_CHECKING:
@@ -83,7 +84,11 @@ def lock_run(run_id: int) -> dict[str, Any] | None:
     """Lock the run's row for this transaction (on every backend) and read what claims need."""
     runs = BatchRun.objects.filter(pk=run_id)
     if connection.features.has_select_for_update:
-        return dict(runs.select_for_update().values(*_RUN_FIELDS).first() or {}) or None
+        # NO KEY UPDATE (PostgreSQL): a writer's second update of an item in its transaction
+        # checks the item's run with KEY SHARE, which FOR UPDATE would make wait on this claim.
+        no_key = connection.features.has_select_for_no_key_update
+        runs = runs.select_for_update(no_key=no_key)
+        return dict(runs.values(*_RUN_FIELDS).first() or {}) or None
     # SQLite has no row locks: writing first takes the database's write lock for the whole
     # transaction, which serialises claimers as FOR UPDATE would (and never upgrades a read lock).
     runs.update(status=F("status"))
@@ -99,21 +104,23 @@ def claim(
     static_pool: str | None,
     before: Callable[[], Any] | None = None,
     host_limit: tuple[str, int] | None = None,
+    spend: bool = False,
 ) -> ClaimResult:
     """Claim up to ``limit`` items of the run for ``owner``; say why when fewer are claimed.
 
     ``before`` runs first in the same transaction: a worker records its last outcomes there,
     so that finishing items and claiming the next cost one commit, not two. ``host_limit``
     (definition name, N): at most N of that definition's items run on this host at once.
+    ``spend``: the run's items have estimates to reserve against budgets (fanout.spend).
     """
     args = (run_id, owner, limit, lease_seconds, crash_budget, static_pool)
     with host_lock(host_limit):
-        result = _claim(*args, before=before, host_limit=host_limit)
+        result = _claim(*args, before=before, host_limit=host_limit, spend=spend)
         if result.full and not result.items and before is None:
             # A pool full of leases whose owners died (perhaps another run's, which no worker
             # of ours may reclaim): give those slots back, then try once more.
             if transitions.release_expired(ItemClaim.objects.filter(pool__in=result.full)):
-                result = _claim(*args, host_limit=host_limit)
+                result = _claim(*args, host_limit=host_limit, spend=spend)
     return result
 
 
@@ -162,6 +169,7 @@ def _claim(
     static_pool: str | None,
     before: Callable[[], Any] | None = None,
     host_limit: tuple[str, int] | None = None,
+    spend: bool = False,
 ) -> ClaimResult:
     with transaction.atomic():
         done = before() if before is not None else None
@@ -173,7 +181,14 @@ def _claim(
             result.failure_policy = run["failure_policy"]
         else:
             taking = _Claim(
-                run_id, run, owner, lease_seconds, crash_budget, static_pool, before is not None
+                run_id,
+                run,
+                owner,
+                lease_seconds,
+                crash_budget,
+                static_pool,
+                before is not None,
+                spend,
             )
             if host_limit is not None:
                 taking.limit_host(*host_limit)
@@ -198,6 +213,7 @@ _FIELDS = (
     "started_at",
     "lease_expires_at",
 )
+_SPEND_FIELDS = (*_FIELDS, "estimate", "cost")
 
 
 class _Claim:
@@ -212,6 +228,7 @@ class _Claim:
         crash_budget: int,
         static_pool: str | None,
         recorded: bool = False,
+        spend: bool = False,
     ) -> None:
         self.run_id = run_id
         # Outcomes recorded first in this transaction hold pool locks out of name order, so
@@ -234,6 +251,9 @@ class _Claim:
         self.lost: list[dict] = []  # expired items whose crash budget is spent
         self.host_room: int | None = None  # new items this host may still run (host limit)
         self.host_reason = ""
+        # Budgets to reserve estimates against (fanout.spend), locked after the run's row.
+        self.gate = Gate.open(run_id, self.now) if spend else None
+        self.fields = _SPEND_FIELDS if spend else _FIELDS
 
     def limit_host(self, definition: str, most: int) -> None:
         """At most ``most`` of the definition's items run on this host: count its live leases
@@ -289,7 +309,7 @@ class _Claim:
             found.extend(
                 qs.order_by("index")
                 .select_for_update(skip_locked=True)
-                .values(*_FIELDS)[: limit - len(found)]
+                .values(*self.fields)[: limit - len(found)]
             )
 
         with walking_indexes():
@@ -325,6 +345,7 @@ class _Claim:
             # the clock only moves forward, so what was decided before stays conservative.
             self.now = max(self.now, db_now())
         by_run = _pool_runs(list(locked))
+        busy = self.gate.open_pools(list(locked), skip_locked) if self.gate else set()
         for name in names:
             pool = locked.get(name)
             if pool is None:
@@ -335,11 +356,23 @@ class _Claim:
                 self.pools[name] = pool
                 self.waiters_read[name] = dict(pool.waiters or {})
                 self.rooms[name] = fair_share(pool, by_run[name], self.run_id, self.now)
+                if self.gate is not None:
+                    self._budget_room(name, busy)
             if self.rooms[name].count <= 0:
                 self.blocked.add(name)
 
     def _expired(self, cand: dict) -> bool:
         return cand["status"] == ItemStatus.RUNNING
+
+    def _budget_room(self, name: str, busy: set[str]) -> None:
+        """A pool whose budgets another claimer holds, or whose budget is spent, admits none."""
+        assert self.gate is not None
+        if name in busy:
+            self.rooms[name] = Headroom(0, f"pool {name} unavailable")
+            return
+        spent = self.gate.pool_spent(name)
+        if spent:
+            self.rooms[name] = Headroom(0, spent, self.gate.blocked_until)
 
     def _admit(self, cand: dict) -> None:
         expired = self._expired(cand)
@@ -351,36 +384,65 @@ class _Claim:
             return  # this host runs as many of the definition's items as it may
         name = cand["pool"]
         pool = self.pools.get(name)
+        need = _bucket_need(cand, pool)
         if expired:
             # It keeps its slot: only the rate limit (a new call to the provider) applies.
             if pool is not None and pool.tokens is not None:
-                if not self._spend_token(name, pool):
+                if pool.tokens < need - 1e-9:
+                    self._short(name, pool, need)
                     return
+                if not self._reserve(cand, reclaim=True):
+                    return
+                self._spend_token(name, pool, need)
             elif name and pool is None:
+                return
+            elif not self._reserve(cand, reclaim=True):
                 return
             self._take_host_slot()
             self.reclaimed.append(cand)
             return
         if len(self.fresh) >= self.room:
             return
+        if name and self.rooms[name].count <= 0:
+            return
+        if pool is not None and pool.tokens is not None and pool.tokens < need - 1e-9:
+            self._short(name, pool, need)
+            return
+        if not self._reserve(cand, reclaim=False):
+            return
         if name:
-            if self.rooms[name].count <= 0:
-                return
             self.rooms[name].count -= 1
             if pool is not None and pool.tokens is not None:
-                pool.tokens -= 1
+                pool.tokens -= need
         self._take_host_slot()
         self.fresh.append(cand)
 
-    def _spend_token(self, name: str, pool: CapacityPool) -> bool:
-        """Take a token for a reclaimed item; the tokens left bound the fresh items too.
+    def _reserve(self, cand: dict, reclaim: bool) -> bool:
+        """Hold the item's estimate against its budgets; False when one of them refuses."""
+        if self.gate is None:
+            return True
+        return not self.gate.admit(cand.get("estimate"), cand["pool"], reclaim)
 
-        The pool's room was counted from the tokens before this one was spent: left as it
+    def _short(self, name: str, pool: CapacityPool, need: float) -> None:
+        """The bucket holds less than the item takes: the pool admits nothing more now (the
+        items behind it wait their turn), until the bucket holds enough."""
+        assert pool.tokens is not None and pool.rate_count is not None
+        wait = (need - pool.tokens) * pool.rate_period / pool.rate_count
+        until = self.now + timedelta(seconds=wait)
+        self.rooms[name] = Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
+        self.blocked.add(name)
+
+    def _spend_token(self, name: str, pool: CapacityPool, need: float = 1.0) -> bool:
+        """Take a reclaimed item's tokens; the tokens left bound the fresh items too.
+
+        The pool's room was counted from the tokens before these were spent: left as it
         was, a fresh item of the same claim could take a token that is gone.
         """
-        if pool.tokens is None or pool.tokens < 1 - 1e-9:
+        if pool.tokens is None or pool.tokens < need - 1e-9:
             return False
-        pool.tokens -= 1
+        pool.tokens -= need
+        if pool.rate_unit:
+            return True  # fresh items are measured against the bucket one by one
         whole = math.floor(pool.tokens + 1e-9)
         if whole < self.rooms[name].count:
             self.rooms[name].count = whole
@@ -410,6 +472,8 @@ class _Claim:
             args = (self.owner, result.token, self.lease_seconds, self.now)
             transitions.reclaim(self.reclaimed, *args)
             transitions.start(self.run_id, self.fresh, *args)
+        if self.gate is not None:
+            self.gate.apply(self.fresh, self.reclaimed, self.lost)
         self._save_pools(admitted)
         admitted.sort(key=lambda c: c["index"])
         result.items = [
@@ -439,6 +503,10 @@ class _Claim:
             result.reason = "; ".join(f"{n}: {self.rooms[n].reason}" for n in sorted(self.blocked))
             times = [r.until for r in reasons if r.until]
             result.retry_at = min(times) if times else None
+        elif self.gate is not None and self.gate.reason and not result.items:
+            # The run's budget: nothing comes due by itself, an operator raises it.
+            result.reason = self.gate.reason
+            result.retry_in = float(conf.IDLE_MAX_SECONDS)
         elif self.host_room is not None and self.host_room <= 0 and not result.items:
             result.reason = self.host_reason
             result.retry_in = float(conf.IDLE_MAX_SECONDS)
@@ -471,6 +539,14 @@ def walking_indexes() -> Iterator[None]:
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL enable_sort = on")
+
+
+def _bucket_need(cand: dict, pool: CapacityPool | None) -> float:
+    """What an admission takes from the pool's bucket: one call, or, for a pool whose rate
+    counts a unit ("90000 tokens/m"), the item's estimate in that unit."""
+    if pool is None or not pool.rate_unit:
+        return 1.0
+    return float((cand.get("estimate") or {}).get(pool.rate_unit, 0.0))
 
 
 def _pool_runs(names: list[str]) -> dict[str, Counter[int]]:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .cost import Costing, Units, add, as_units
 from .errors import DefinitionNotFound, FanoutError
 
 if TYPE_CHECKING:
@@ -34,6 +35,16 @@ class Item:
     params: Mapping[str, Any] = field(default_factory=dict)
     # What the call does: "forward" (the handler, ``do``) or "compensation" (``compensate``).
     phase: str = "forward"
+    # What the handler reported its call cost, {unit: amount} (see report_cost).
+    reported: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+
+    def report_cost(self, **units: float) -> None:
+        """Say what this call cost, e.g. ``item.report_cost(tokens=812, usd=0.0041)``.
+
+        It replaces the item's reserved estimate when the outcome is recorded (several calls
+        add up). A success that reports nothing cost its estimate; a failure, nothing.
+        """
+        self.reported.update(add(self.reported, as_units(units, f"item {self.key!r}: cost")))
 
     @property
     def idempotency_key(self) -> str:
@@ -166,6 +177,8 @@ class FanOut:
         compensate_max_parallel: int | None = None,
         host_max_parallel: int | None = None,
         allow_empty: bool = True,
+        cost: Any = None,
+        max_spend: Any = None,
     ) -> None:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise FanoutError(
@@ -252,6 +265,9 @@ class FanOut:
         self.compensate_order = compensate_order
         self.compensate_max_parallel = compensate_max_parallel
         self.host_max_parallel = host_max_parallel
+        # Spend (fanout.spend): each item's estimate, and each run's budget by default.
+        self.costing = Costing(name, cost) if cost is not None else None
+        self.max_spend = as_units(max_spend, f"fan-out {name!r}: max_spend") if max_spend else None
         # False: a work list that comes out empty (a mistyped param, say) is an error, not a
         # run that succeeds having done nothing.
         self.allow_empty = bool(allow_empty)
@@ -329,6 +345,15 @@ class FanOut:
             )
         return ""
 
+    @property
+    def accounted(self) -> bool:
+        """Whether its items' costs are counted (it declares cost= or a budget)."""
+        return self.costing is not None or self.max_spend is not None
+
+    def estimate_for(self, item: Item) -> Units | None:
+        """What one call of ``item`` is expected to cost, or None without cost=."""
+        return self.costing.estimate(item) if self.costing is not None else None
+
     def pool_for(self, item: Item) -> str:
         if self.pool is None:
             return ""
@@ -399,11 +424,13 @@ class FanOut:
         workers: int | None = None,
         max_parallel: int | None = None,
         wait: bool = True,
+        max_spend: Mapping[str, float] | float | None = None,
     ) -> BatchRun:
         """Create (or find) the run, write its items and dispatch it; return the BatchRun.
 
         With the inline executor and ``wait=True`` the items run in this process and the
         run returned is finished; otherwise workers run it and the run returned is live.
+        ``max_spend`` (e.g. ``{"usd": 20}``) is the run's budget, in place of the definition's.
         """
         from .dispatch import start_run
 
@@ -415,6 +442,7 @@ class FanOut:
             workers=workers,
             max_parallel=max_parallel,
             wait=wait,
+            max_spend=max_spend,
         )
 
     def __repr__(self) -> str:

@@ -183,6 +183,7 @@ def prepare_run(
     *,
     executor: str = "inline",
     max_parallel: int | None = None,
+    max_spend: Mapping[str, float] | float | None = None,
 ) -> BatchRun:
     """Create or find the run and make sure its items are written."""
     if executor not in EXECUTORS:
@@ -191,7 +192,9 @@ def prepare_run(
         from .rq import get_queue
 
         get_queue(definition)  # a queue the settings do not name: refused before any run is made
-    run, _ = create_run(definition, dict(params or {}), run_key, max_parallel, executor)
+    run, _ = create_run(
+        definition, dict(params or {}), run_key, max_parallel, executor, max_spend=max_spend
+    )
     return materialize(run, definition)
 
 
@@ -204,8 +207,16 @@ def start_run(
     workers: int | None = None,
     max_parallel: int | None = None,
     wait: bool = True,
+    max_spend: Mapping[str, float] | float | None = None,
 ) -> BatchRun:
-    run = prepare_run(definition, params, run_key, executor=executor, max_parallel=max_parallel)
+    run = prepare_run(
+        definition,
+        params,
+        run_key,
+        executor=executor,
+        max_parallel=max_parallel,
+        max_spend=max_spend,
+    )
     handle = dispatch(run, definition, executor, workers)
     if handle is not None and wait:
         handle.join()

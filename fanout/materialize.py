@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from itertools import islice
 from typing import Any, NamedTuple, cast
@@ -34,11 +34,13 @@ from django.db.models import Field, Q, QuerySet
 from . import transitions
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
+from .cost import as_units
 from .definition import FanOut, Item
 from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
+from .spend import open_run_budget, unfit
 from .transitions import runs
 
 logger = logging.getLogger("fanout")
@@ -51,6 +53,7 @@ def create_run(
     max_parallel: int | None = None,
     executor: str = "inline",
     parent_item_id: int | None = None,
+    max_spend: Mapping[str, float] | float | None = None,
 ) -> tuple[BatchRun, bool]:
     """Return the run for ``run_key`` (default: name + params), creating it if it is new."""
     clean = definition.clean_params(params)
@@ -63,6 +66,7 @@ def create_run(
     if definition.static_pool:
         ensure_pools([definition.static_pool])
     key = run_key or definition.default_run_key(clean)
+    budget = as_units(max_spend, "max_spend") if max_spend is not None else definition.max_spend
     try:
         with transaction.atomic():
             run = BatchRun.objects.create(
@@ -75,6 +79,9 @@ def create_run(
                 executor=executor,
                 parent_item_id=parent_item_id,
             )
+            if budget:
+                # With the run, never later: workers read once whether a run has a budget.
+                open_run_budget(run.pk, budget)
         return run, True
     except IntegrityError:
         # Another process created it first (the unique run key decided): use theirs.
@@ -288,6 +295,12 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
         if new_pools:
             ensure_pools(new_pools)
             known_pools |= new_pools
+        if new_pools or definition.costing is not None:
+            # A pool whose rate counts tokens refuses, before any item is written, an item
+            # it could never admit.
+            why = unfit(definition.name, ((r.key, r.pool, r.estimate) for r in rows))
+            if why:
+                raise MaterializeError(why)
         first = rows[0].position
         try:
             with transaction.atomic():
@@ -320,6 +333,7 @@ def _insert_rows(
                 index=r.position,
                 payload=r.payload,
                 pool=r.pool,
+                estimate=r.estimate,
                 next_attempt_at=due,
             )
             for r in rows
@@ -339,12 +353,17 @@ class _Row(NamedTuple):
     payload: Any
     payload_json: str | None  # None for a None payload: stored as SQL NULL, as the field does
     pool: str
+    estimate: dict | None = None  # what one call is expected to cost (a definition's cost=)
 
 
 def _copy_rows(run: BatchRun, rows: list[_Row], due: datetime) -> None:
     """PostgreSQL: stream the chunk with COPY; no model instances, no per-row SQL compiling."""
     meta = ItemClaim._meta
-    given = ("run", "key", "index", "payload", "pool")
+    # Estimates only where a definition declares cost=: other runs copy what they always did.
+    costed = any(r.estimate is not None for r in rows)
+    given: tuple[str, ...] = ("run", "key", "index", "payload", "pool")
+    if costed:
+        given = (*given, "estimate")
     template = ItemClaim(run=run, next_attempt_at=due)  # every other column takes its model default
     defaults = [
         f
@@ -361,7 +380,10 @@ def _copy_rows(run: BatchRun, rows: list[_Row], due: datetime) -> None:
     with connection.cursor() as cursor, connection.wrap_database_errors:
         with cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
             for r in rows:
-                copy.write_row((run_id, r.key, r.position, r.payload_json, r.pool, *constants))
+                head = (run_id, r.key, r.position, r.payload_json, r.pool)
+                if costed:
+                    head = (*head, None if r.estimate is None else json.dumps(r.estimate))
+                copy.write_row((*head, *constants))
 
 
 def _rows(run: BatchRun, definition: FanOut, chunk: list[tuple[int, Any]]) -> list[_Row]:
@@ -370,6 +392,7 @@ def _rows(run: BatchRun, definition: FanOut, chunk: list[tuple[int, Any]]) -> li
     dumps = json.dumps
     pool_fn = definition.pool if callable(definition.pool) else None
     static_pool = definition.static_pool or ""
+    costing = definition.costing
     for index, element in chunk:
         try:
             key = definition.key_for(element)
@@ -390,11 +413,13 @@ def _rows(run: BatchRun, definition: FanOut, chunk: list[tuple[int, Any]]) -> li
                 "keys must identify items uniquely (give the definition a key= function)"
             )
         seen[key] = index
-        if pool_fn is None:
-            pool = static_pool
-        else:
-            pool = definition.pool_for(Item(key, index, payload, 1, run.pk, params=run.params))
-        rows.append(_Row(index, key, payload, payload_json, pool))
+        if pool_fn is None and costing is None:
+            rows.append(_Row(index, key, payload, payload_json, static_pool))
+            continue
+        item = Item(key, index, payload, 1, run.pk, pool=static_pool, params=run.params)
+        pool = static_pool if pool_fn is None else definition.pool_for(item)
+        estimate = definition.estimate_for(item) if costing is not None else None
+        rows.append(_Row(index, key, payload, payload_json, pool, estimate))
     return rows
 
 

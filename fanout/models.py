@@ -233,6 +233,12 @@ class ItemClaim(models.Model):
     error_class = models.CharField(max_length=200, blank=True, default="")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # What one call is expected to cost, {unit: amount}, from the definition's cost= when the
+    # item was written; held against budgets while the item runs (fanout.spend).
+    estimate = models.JSONField(null=True, blank=True)
+    # What its calls cost, {unit: amount}: reported ones, and the estimates of calls cut off by
+    # a crash (nobody knows what those spent).
+    cost = models.JSONField(null=True, blank=True)
 
     objects = ItemClaimQuerySet.as_manager()
 
@@ -336,6 +342,13 @@ class CapacityPool(models.Model):
         null=True, blank=True, help_text="Admissions per period; empty for no rate limit."
     )
     rate_period = models.FloatField(default=1.0, help_text="Seconds in the rate's period.")
+    rate_unit = models.CharField(
+        max_length=40,
+        blank=True,
+        default="",
+        help_text="What the rate counts: empty for calls, else a unit of the items' estimates "
+        "(e.g. tokens: each admission takes its estimate, corrected by what the call cost).",
+    )
     burst = models.PositiveIntegerField(
         null=True, blank=True, help_text="Admissions allowed at once; defaults to the rate count."
     )
@@ -385,4 +398,42 @@ class CapacityPool(models.Model):
     def describe_rate(self) -> str:
         if self.rate_count is None:
             return "unlimited"
-        return f"{self.rate_count}/{self.rate_period:g}s (burst {self.capacity})"
+        unit = f" {self.rate_unit}" if self.rate_unit else ""
+        return f"{self.rate_count}{unit}/{self.rate_period:g}s (burst {self.capacity}{unit})"
+
+
+class SpendAccount(models.Model):
+    """One unit of a budget: a run's (max_spend) or a pool's (over a period).
+
+    ``reserved`` is the sum of the estimates of the items that run against it, ``spent`` what
+    settled; admission stops when spent plus reserved would pass the budget. Both move only
+    under this row's lock, in the transaction that moves the items (fanout.spend).
+    """
+
+    run = models.ForeignKey(
+        BatchRun, null=True, blank=True, on_delete=models.CASCADE, related_name="budgets"
+    )
+    # NULL, not "": a run's accounts and a pool's are told apart, and unique, by which is NULL.
+    pool = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    unit = models.CharField(max_length=40)
+    budget = models.FloatField(help_text="Most that may be spent (in the period, for a pool).")
+    spent = models.FloatField(default=0.0)
+    reserved = models.FloatField(default=0.0)
+    # A pool's period in seconds; when it has passed since period_started_at, spent restarts
+    # from zero. None: the budget never rolls over (a run's).
+    period = models.FloatField(null=True, blank=True)
+    period_started_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "pool", "unit"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "unit"], name="fanout_spend_run_unit"),
+            models.UniqueConstraint(fields=["pool", "unit"], name="fanout_spend_pool_unit"),
+            models.CheckConstraint(
+                condition=Q(run__isnull=True) ^ Q(pool__isnull=True), name="fanout_spend_owner"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        owner = f"run {self.run_id}" if self.run_id else f"pool {self.pool}"
+        return f"{owner}: {self.unit} {self.spent:g}+{self.reserved:g}/{self.budget:g}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -15,8 +15,10 @@ from django.db.models import Q
 
 from .clock import db_now_plus
 from .conf import conf
+from .cost import Units, as_units
 from .errors import FanoutError
 from .models import CapacityPool
+from .spend import open_pool_budget
 
 _PERIODS = {
     "s": 1.0,
@@ -30,34 +32,90 @@ _PERIODS = {
     "d": 86400.0,
     "day": 86400.0,
 }
-_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
+_RATE = re.compile(
+    r"^\s*(\d+)\s*([a-z_][a-z0-9_.-]*)?\s*/\s*(\d*\.?\d*)\s*([a-z]+)\s*$", re.IGNORECASE
+)
 
 
 def parse_rate(text: str) -> tuple[int, float]:
     """Parse "100/m", "20/s", "5/10s" into (count, period seconds)."""
-    match = _RATE.match(str(text).lower())
-    if not match or match.group(3) not in _PERIODS:
-        raise FanoutError(f"rate {text!r} is not of the form N/s, N/m, N/h or N/d (e.g. '100/m')")
+    count, period, unit = parse_unit_rate(text)
+    if unit:
+        raise FanoutError(f"rate {text!r} counts calls here: give it without a unit ('100/m')")
+    return count, period
+
+
+def parse_unit_rate(text: str) -> tuple[int, float, str]:
+    """Parse "100/m" (calls) or "90000 tokens/m" (a unit of the items' estimates) into
+    (count, period seconds, unit or "")."""
+    match = _RATE.match(str(text))
+    if not match or match.group(4).lower() not in _PERIODS:
+        raise FanoutError(
+            f"rate {text!r} is not of the form N/s, N/m, N/h or N/d (e.g. '100/m'), "
+            "or N unit/period (e.g. '90000 tokens/m')"
+        )
     count = int(match.group(1))
-    multiple = float(match.group(2)) if match.group(2) else 1.0
+    multiple = float(match.group(3)) if match.group(3) else 1.0
     if count < 1 or multiple <= 0:
         raise FanoutError(f"rate {text!r} must admit at least 1 item per period")
-    return count, multiple * _PERIODS[match.group(3)]
+    return count, multiple * _PERIODS[match.group(4).lower()], match.group(2) or ""
+
+
+_PERIOD = re.compile(r"^\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
+
+
+def parse_period(text: Any) -> float:
+    """Parse "30d", "1h", "90s" (or a number of seconds) into seconds."""
+    if isinstance(text, int | float) and not isinstance(text, bool) and text > 0:
+        return float(text)
+    match = _PERIOD.match(str(text).lower())
+    if not match or match.group(2) not in _PERIODS:
+        raise FanoutError(f"period {text!r} is not of the form N s, m, h or d (e.g. '30d')")
+    multiple = float(match.group(1)) if match.group(1) else 1.0
+    if multiple <= 0:
+        raise FanoutError(f"period {text!r} must be longer than zero")
+    return multiple * _PERIODS[match.group(2)]
+
+
+def parse_budget(name: str, config: Any) -> tuple[Units, float | None]:
+    """A pool's ``budget={"usd": 50, "period": "30d"}`` as (units, period seconds)."""
+    if not isinstance(config, Mapping):
+        raise FanoutError(
+            f"FANOUT_POOLS[{name!r}]: budget must be a dict such as {{'usd': 50, 'period': '30d'}}"
+        )
+    config = dict(config)
+    period = config.pop("period", None)
+    seconds = None
+    if period is not None:
+        try:
+            seconds = parse_period(period)
+        except FanoutError as exc:
+            raise FanoutError(f"FANOUT_POOLS[{name!r}]: budget {exc}") from None
+    units = as_units(config, f"FANOUT_POOLS[{name!r}]: budget")
+    if not units:
+        raise FanoutError(f"FANOUT_POOLS[{name!r}]: budget names no unit")
+    return units, seconds
 
 
 def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
     """Turn one FANOUT_POOLS entry into CapacityPool field values, or raise a clear error."""
-    unknown = sorted(set(config) - {"max_concurrency", "rate", "burst", "paused"})
+    unknown = sorted(set(config) - {"max_concurrency", "rate", "burst", "paused", "budget"})
     if unknown:
         raise FanoutError(f"FANOUT_POOLS[{name!r}] has unknown keys: {', '.join(unknown)}")
-    limits: dict[str, Any] = {"rate_count": None, "rate_period": 1.0, "burst": None}
+    limits: dict[str, Any] = {
+        "rate_count": None,
+        "rate_period": 1.0,
+        "rate_unit": "",
+        "burst": None,
+    }
     concurrency = config.get("max_concurrency", 10)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
         raise FanoutError(f"FANOUT_POOLS[{name!r}]: max_concurrency must be an integer >= 0")
     limits["max_concurrency"] = concurrency
     if config.get("rate") is not None:
         try:
-            limits["rate_count"], limits["rate_period"] = parse_rate(config["rate"])
+            rate = parse_unit_rate(config["rate"])
+            limits["rate_count"], limits["rate_period"], limits["rate_unit"] = rate
         except FanoutError as exc:
             raise FanoutError(f"FANOUT_POOLS[{name!r}]: {exc}") from None
     burst = config.get("burst")
@@ -68,7 +126,30 @@ def limits_from_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
             raise FanoutError(f"FANOUT_POOLS[{name!r}]: burst needs a rate")
         limits["burst"] = burst
     limits["paused"] = bool(config.get("paused", False))
+    if config.get("budget") is not None:
+        parse_budget(name, config["budget"])  # refused here, with the pool's other limits
     return limits
+
+
+def configured_budget(name: str) -> tuple[dict[str, float], float | None] | None:
+    """The budget FANOUT_POOLS gives ``name`` (its entry or first matching template), if any."""
+    pools = conf.POOLS
+    entry = pools.get(name)
+    if entry is None:
+        for pattern, config in pools.items():
+            if any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(name, pattern):
+                entry = config
+                break
+    if not entry or entry.get("budget") is None:
+        return None
+    return parse_budget(name, entry["budget"])
+
+
+def _open_budgets(names: Iterable[str]) -> None:
+    for name in names:
+        budget = configured_budget(name)
+        if budget is not None:
+            open_pool_budget(name, *budget)
 
 
 def configured_limits(name: str) -> dict[str, Any] | None:
@@ -104,6 +185,7 @@ def ensure_pools(names: Iterable[str]) -> None:
                 CapacityPool.objects.bulk_create(rows, ignore_conflicts=True)
         except IntegrityError:  # pragma: no cover - ignore_conflicts covers races
             pass
+        _open_budgets(r.name for r in rows)
 
 
 def sync_pools(overwrite: bool = False) -> tuple[list[str], list[str]]:
@@ -114,6 +196,7 @@ def sync_pools(overwrite: bool = False) -> tuple[list[str], list[str]]:
             continue
         limits = limits_from_config(name, config)
         pool, was_created = CapacityPool.objects.get_or_create(name=name, defaults=limits)
+        _open_budgets([name])
         if was_created:
             created.append(name)
         elif overwrite:
@@ -158,6 +241,13 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
     free = pool.max_concurrency - in_flight
     if free <= 0:
         return Headroom(0, f"pool full ({in_flight}/{pool.max_concurrency})", full=True)
+    if pool.tokens is not None and pool.rate_count is not None and pool.rate_unit:
+        # Each admission takes its item's estimate: the claim decides item by item.
+        if pool.tokens < 1e-9:
+            wait = (1.0 - pool.tokens) * pool.rate_period / pool.rate_count
+            until = now + timedelta(seconds=wait)
+            return Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
+        return Headroom(free)
     if pool.tokens is not None and pool.rate_count is not None:
         tokens = math.floor(pool.tokens + 1e-9)
         if tokens < 1:
@@ -168,7 +258,7 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
     return Headroom(free)
 
 
-_DRIFT_FIELDS = ("max_concurrency", "rate_count", "rate_period", "burst")
+_DRIFT_FIELDS = ("max_concurrency", "rate_count", "rate_period", "burst", "rate_unit")
 
 
 def settings_drift(pool: CapacityPool) -> str:

@@ -10,6 +10,8 @@
 - ``fanout_counter_drift_total{kind, name}``: in-flight counters the supervisor's audit found
   different from their rows and corrected, each pool's (``kind="pool"``) and runs' by definition
   (``kind="run"``), as recorded on the rows. Anything but 0 is a bug worth reporting.
+- ``fanout_budget_spent``, ``fanout_budget_reserved`` and ``fanout_budget_limit`` ``{kind, name,
+  unit}``: each pool's budget and each open run's (fanout.spend), by unit.
 
 Claim latency is measured in each worker process, not in the rows: it is the OpenTelemetry
 histogram ``fanout.claim.duration`` (see fanout.telemetry).
@@ -25,7 +27,7 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidde
 from django.views.decorators.cache import never_cache
 
 from .conf import conf
-from .telemetry import drift_figures, item_counts, pool_figures, read_rows
+from .telemetry import budget_figures, drift_figures, item_counts, pool_figures, read_rows
 
 
 class FanoutCollector:
@@ -62,10 +64,25 @@ class FanoutCollector:
         )
         for kind, name, n in read_rows(drift_figures, []):
             drift.add_metric([kind, name], n)
+        budgets = {
+            name: GaugeMetricFamily(
+                f"fanout_budget_{name}", help_text, labels=["kind", "name", "unit"]
+            )
+            for name, help_text in (
+                ("spent", "What each budget's items spent (a pool's: in its period)."),
+                ("reserved", "Estimates held against each budget by items running now."),
+                ("limit", "Each budget: a pool's, and an open run's max_spend."),
+            )
+        }
+        for kind, name, unit, spent, reserved, budget in read_rows(budget_figures, []):
+            budgets["spent"].add_metric([kind, name, unit], spent)
+            budgets["reserved"].add_metric([kind, name, unit], reserved)
+            budgets["limit"].add_metric([kind, name, unit], budget)
         yield items
         yield in_flight
         yield limit
         yield drift
+        yield from budgets.values()
 
 
 def allowed(request: HttpRequest) -> bool:

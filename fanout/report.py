@@ -16,6 +16,7 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from .models import BatchRun, ItemClaim, ItemStatus
+from .spend import run_report
 from .text import last_line
 from .waiting import (
     RETRY_NOT_DUE,
@@ -311,6 +312,8 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         ],
         "join_result": run.join_result,
         "error": run.error,
+        # What its items cost and its budget, for a run that counts cost (fanout.spend).
+        **run_report(run.pk, timezone.now()),
         # Why it waits or stalls, in the admin's words (a worker's own when it could not run it).
         **({"why": progress.why} if progress.why else {}),
     }

@@ -104,6 +104,15 @@ def _spawned(
 COMPENSATION = "compensation"
 
 
+def _call(definition: FanOut, item: Item, outcome: ExecutionOutcome) -> Any:
+    """Call the handler; what it reported it cost stays on the outcome whatever it raised."""
+    try:
+        return definition.do(item)
+    finally:
+        if item.reported:
+            outcome.cost, outcome.accounted = dict(item.reported), True
+
+
 def execute(
     definition: FanOut,
     run_id: int,
@@ -126,13 +135,14 @@ def execute(
         phase="forward" if undoing is None else COMPENSATION,
     )
     outcome = ExecutionOutcome(pk=claimed.pk, key=claimed.key, kind=SUCCEEDED, pool=claimed.pool)
+    outcome.accounted = definition.accounted and undoing is None  # a refund spends nothing
     began = time.monotonic()
     try:
         if undoing is not None:
             assert definition.compensate is not None
             definition.compensate(item, undoing[0])
             return _timed(outcome, claimed, began)
-        value = definition.do(item)
+        value = _call(definition, item, outcome)
     except Throttled as exc:
         outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
         outcome.error_class, outcome.error = "Throttled", storable_text(str(exc))

@@ -31,9 +31,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError, connection
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 
-from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from .models import (
+    TERMINAL_RUN_STATUSES,
+    BatchRun,
+    CapacityPool,
+    ItemClaim,
+    ItemStatus,
+    RunStatus,
+    SpendAccount,
+)
 from .transitions import FAILED, RETRY, SUCCEEDED, ClaimedItem, ExecutionOutcome
 
 try:
@@ -94,6 +102,22 @@ def pool_figures() -> list[tuple[str, int, int]]:
     return list(
         CapacityPool.objects.order_by("name").values_list("name", "in_flight", "max_concurrency")
     )
+
+
+def budget_figures() -> list[tuple[str, str, str, float, float, float]]:
+    """(kind, name, unit, spent, reserved, budget) of every pool's budget and every open run's."""
+    open_runs = BatchRun.objects.exclude(status__in=TERMINAL_RUN_STATUSES).values("pk")
+    rows = SpendAccount.objects.filter(Q(pool__isnull=False) | Q(run__in=open_runs)).order_by(
+        "pool", "run_id", "unit"
+    )
+    return [
+        ("pool", pool, unit, spent, max(reserved, 0.0), budget)
+        if pool is not None
+        else ("run", str(run_id), unit, spent, max(reserved, 0.0), budget)
+        for pool, run_id, unit, spent, reserved, budget in rows.values_list(
+            "pool", "run_id", "unit", "spent", "reserved", "budget"
+        )
+    ]
 
 
 def read_rows(read: Callable[[], Any], default: Any) -> Any:

@@ -15,6 +15,7 @@ from .definition import get_definition
 from .errors import FanoutError
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from .pools import headroom, refill
+from .spend import pool_holds, run_hold
 from .text import human_duration
 
 # Live workers claim the next item as they record the last and idle ones look again within
@@ -66,15 +67,25 @@ def pool_states(names: Iterable[str] | None, now: datetime) -> dict[str, PoolSta
         .order_by()
         .values_list("pool", "n")
     )
-    return {name: pool_state(name, pools.get(name), in_flight.get(name, 0), now) for name in wanted}
+    spent = pool_holds(wanted, now)
+    return {
+        name: pool_state(name, pools.get(name), in_flight.get(name, 0), now, spent.get(name, ""))
+        for name in wanted
+    }
 
 
-def pool_state(name: str, pool: CapacityPool | None, in_flight: int, now: datetime) -> PoolState:
-    """The pool's state given its live leases; its token bucket is brought up to ``now``."""
+def pool_state(
+    name: str, pool: CapacityPool | None, in_flight: int, now: datetime, budget: str | None = None
+) -> PoolState:
+    """The pool's state given its live leases; its token bucket is brought up to ``now``.
+    ``budget``: why its budget admits nothing (read when not given)."""
     if pool is None:
         return PoolState(name, None, in_flight, "pool missing")
     refill(pool, now)
-    return PoolState(name, pool, in_flight, headroom(pool, in_flight, now).reason)
+    reason = headroom(pool, in_flight, now).reason
+    if not reason:
+        reason = pool_holds([name], now).get(name, "") if budget is None else budget
+    return PoolState(name, pool, in_flight, reason)
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -145,6 +156,9 @@ def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
         return f"{STALLED} {run.stalled}"
     if activity.live >= run.max_parallel:
         return f"run at max_parallel ({activity.live}/{run.max_parallel})"
+    held = run_hold(run.pk, now)
+    if held:
+        return held
     if activity.live:
         return f"{activity.live} running, up to {run.max_parallel} allowed: {_short_of(run)}"
     if not may_stall(run, activity, now):

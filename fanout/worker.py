@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
+from . import spend
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, registered
@@ -39,6 +40,7 @@ from .transitions import (
     ExecutionOutcome,
     can_hand_over,
     hand_over,
+    hand_over_spending,
 )
 
 logger = logging.getLogger("fanout")
@@ -140,6 +142,8 @@ class Batch:
     items: list[ClaimedItem]
     failure_policy: str
     outcomes: list[ExecutionOutcome] = field(default_factory=list)
+    # A budget refused its items as they were handed over: they are recorded released, unrun.
+    refused: bool = False
 
 
 @dataclass
@@ -166,6 +170,9 @@ class Drain:
     batch: Batch | None = None
     # Seconds until the run's next retry or lease comes due, as the last claim said.
     retry_in: float | None = None
+    # Whether its items' costs are counted against budgets (fanout.spend); else the paths
+    # are exactly those of a run that counts nothing.
+    spend: bool = False
 
     def __call__(self) -> str:
         """Drain until the run is finished, stopped or the deadline passes; say which."""
@@ -204,6 +211,7 @@ class Drain:
     def _loop(self) -> str:
         # Items run but not yet recorded: they are recorded by the next claim or hand-over.
         batch: Batch | None = None
+        self.spend = self.definition.accounted or spend.run_has_budget(self.run_id)
         self._idle_since: float | None = None
         self._spans = item_spans(self.run_id, self.definition.name)
         while True:
@@ -273,9 +281,13 @@ class Drain:
     def _execute(self, batch: Batch) -> None:
         self.batch = batch
         for item in batch.items:
-            if self.stop.is_set():
+            if self.stop.is_set() or batch.refused:
                 # A release gives the item back at once and costs no attempt.
-                batch.outcomes.append(ExecutionOutcome(item.pk, item.key, RELEASED, pool=item.pool))
+                batch.outcomes.append(
+                    ExecutionOutcome(
+                        item.pk, item.key, RELEASED, pool=item.pool, accounted=self.spend
+                    )
+                )
                 continue
             self.keeper.started(item.pk, self.definition.timeout_for(item.key))
             if self._spans is None:
@@ -319,7 +331,7 @@ class Drain:
         began = time.perf_counter()
         done = self._db(
             partial(
-                hand_over,
+                hand_over_spending if self.spend else hand_over,
                 self.run_id,
                 batch.token,
                 outcome,
@@ -343,7 +355,7 @@ class Drain:
             )
         if done.next is not None:
             self.keeper.hold(token, [done.next.pk])
-            return Batch(token, [done.next], batch.failure_policy)
+            return Batch(token, [done.next], batch.failure_policy, refused=done.refused)
         if done.written:
             wake(1)  # a slot was given up: an idle worker of this process may take it
             if outcome.terminal:
@@ -369,6 +381,7 @@ class Drain:
                     if definition.host_max_parallel
                     else None
                 ),
+                spend=self.spend,
             )
         )
         if result is None:

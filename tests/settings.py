@@ -17,3 +17,7 @@ DATABASES["default"]["TEST"] = {  # noqa: F405
 # The test app's definitions name pools that their tests create (with the limits each test
 # needs) and drop again: a check that they exist nowhere would warn on every `check` a test runs.
 SILENCED_SYSTEM_CHECKS = ["fanout.W006"]
+
+# The example project's LLM sweep pools (token rates, budgets) are the demo's: the suite's
+# pools are those its tests make.
+FANOUT_POOLS = {n: p for n, p in FANOUT_POOLS.items() if not n.startswith("llm-")}  # noqa: F405

@@ -384,3 +384,23 @@ def test_a_sample_rate_that_is_not_a_share_is_an_error(rate: Any) -> None:
     with override_settings(FANOUT_OTEL_ITEM_SAMPLE_RATE=rate):
         errors = [m for m in run_checks() if m.id == "fanout.E006"]
     assert len(errors) == 1 and repr(rate) in errors[0].msg
+
+
+def test_the_prometheus_view_serves_each_pools_and_open_runs_budget(client: Any) -> None:
+    from fanout.models import SpendAccount
+
+    run = open_pool_run()
+    CapacityPool.objects.get_or_create(name="llm")
+    SpendAccount.objects.create(run=run, unit="usd", budget=50, spent=49.8, reserved=0.6)
+    SpendAccount.objects.create(pool="llm", unit="tokens", budget=90000, spent=1200)
+    client.force_login(User.objects.create_user("ops", is_staff=True))
+
+    got = families(scrape(client).content.decode())
+
+    # Labels in name order: kind, name, unit.
+    assert got["fanout_budget_spent"] == {
+        ("run", str(run.pk), "usd"): 49.8,
+        ("pool", "llm", "tokens"): 1200.0,
+    }
+    assert got["fanout_budget_reserved"][("run", str(run.pk), "usd")] == 0.6
+    assert got["fanout_budget_limit"][("pool", "llm", "tokens")] == 90000.0

@@ -9,5 +9,6 @@ Fields written by workers are read-only: an item's status changes only through t
 from .items import ItemClaimAdmin
 from .pools import CapacityPoolAdmin
 from .runs import BatchRunAdmin
+from .spend import SpendAccountAdmin
 
-__all__ = ["BatchRunAdmin", "CapacityPoolAdmin", "ItemClaimAdmin"]
+__all__ = ["BatchRunAdmin", "CapacityPoolAdmin", "ItemClaimAdmin", "SpendAccountAdmin"]

@@ -26,6 +26,7 @@ from django.db import connection, transaction
 from django.db.models import F, Field, QuerySet
 from django.utils import timezone
 
+from .. import spend
 from ..clock import DbNow, db_now_plus
 from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
 
@@ -60,6 +61,10 @@ class ExecutionOutcome:
     # the database's: the item's started_at plus that.
     elapsed: float = 0.0
     finished_at: datetime | None = None
+    # Spend (fanout.spend): what the call reported it cost (None: nothing), and whether its
+    # definition counts cost at all (then its outcome settles the item's reservation).
+    cost: dict[str, float] | None = None
+    accounted: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -226,7 +231,9 @@ def _leave(rows: list[tuple[int, int, str]], keep_run_slot: Iterable[int] = ()) 
 
 def release(items: QuerySet[ItemClaim], after: float = 0.0) -> int:
     """Running items go back to pending, and held compensations to due, with no attempt
-    used and no crash counted; their slots (run, compensation budget, pool) are given up."""
+    used and no crash counted; their slots (run, compensation budget, pool) are given up.
+
+    A call that may have started keeps its reservation as spent."""
     with transaction.atomic():
         write_first()
         rows = _lock_held(items)
@@ -239,10 +246,9 @@ def release(items: QuerySet[ItemClaim], after: float = 0.0) -> int:
             return 0
         free = dict(claim_token=None, lease_expires_at=None, next_attempt_at=db_now_plus(after))
         n = 0
+        pks = [r[0] for r in rows]
         if rows:
-            n += ItemClaim.objects.filter(pk__in=[r[0] for r in rows]).update(
-                status=ItemStatus.PENDING, **free
-            )
+            n += ItemClaim.objects.filter(pk__in=pks).update(status=ItemStatus.PENDING, **free)
         if undoing:
             # A fresh claim began an attempt: a compensation given back did not use it.
             n += ItemClaim.objects.filter(pk__in=[r[0] for r in undoing]).update(
@@ -257,6 +263,8 @@ def release(items: QuerySet[ItemClaim], after: float = 0.0) -> int:
                 compensating=F("compensating") - budget[run_id],
             )
         _adjust(Counter(), Counter(pool for _, _, pool in (*rows, *undoing)), -1)
+        if pks:
+            spend.charge_lost(pks)  # a call that may be running keeps its reservation
     return n
 
 
@@ -284,6 +292,7 @@ def release_expired(items: QuerySet[ItemClaim], limit: int = 100) -> int:
             next_attempt_at=DbNow(),
         )
         _leave(rows)
+        spend.charge_lost([r[0] for r in rows])
     return n
 
 
@@ -307,6 +316,7 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
         _write_outcomes(mine)
         _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
+        spend.settle(rows, mine)
     return [o.pk for o in mine]
 
 
@@ -541,6 +551,8 @@ _HAND_OVER = {
 class HandOver:
     written: bool  # False: this worker had lost the item; its outcome was dropped
     next: ClaimedItem | None  # the item that took over the slot, under the new token
+    # A budget refused the next item: record it released, unrun (fanout.spend).
+    refused: bool = False
 
 
 def can_hand_over(outcome: ExecutionOutcome) -> bool:
@@ -591,6 +603,56 @@ def hand_over(
     if pk is not None:
         item = ClaimedItem(pk, key, index, _loads(payload), pool, attempt, started_at)
     return HandOver(bool(done), item)
+
+
+# PostgreSQL: the hand-over and the spend it moves in one round trip (migration 0013); other
+# databases run spend.after_hand_over after the hand-over, in its transaction.
+_HAND_OVER_SPEND = (
+    "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
+)
+
+
+def hand_over_spending(
+    run_id: int,
+    token: uuid.UUID,
+    outcome: ExecutionOutcome,
+    owner: str,
+    new_token: uuid.UUID,
+    lease_seconds: float,
+) -> HandOver:
+    """The hand-over, and the spend it moves, in one transaction: the finished item's
+    reservation becomes its cost, and the next item reserves its estimate or, if a budget
+    refuses it, is to be recorded released without being run (``refused``)."""
+    run_budget = spend.run_has_budget(run_id)
+    if connection.vendor == "postgresql":
+        params = [
+            outcome.pk,
+            token,
+            json.dumps(outcome.result) if outcome.result is not None else None,
+            outcome.elapsed,
+            run_id,
+            outcome.pool,
+            owner[:200],
+            new_token,
+            lease_seconds,
+            json.dumps(outcome.cost) if outcome.cost is not None else None,
+            run_budget,
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(_HAND_OVER_SPEND, params)
+            done, pk, key, index, payload, pool, attempt, started_at, refused = cursor.fetchone()
+        item = None
+        if pk is not None:
+            item = ClaimedItem(pk, key, index, _loads(payload), pool, attempt, started_at)
+        return HandOver(bool(done), item, bool(refused))
+    with transaction.atomic():
+        done = hand_over(run_id, token, outcome, owner, new_token, lease_seconds)
+        if not done.written:
+            return done
+        next_pk = done.next.pk if done.next is not None else None
+        if not spend.after_hand_over(outcome, run_id, next_pk, run_budget):
+            done.refused = True
+    return done
 
 
 def _loads(value: Any) -> Any:

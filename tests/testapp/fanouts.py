@@ -221,4 +221,5 @@ from .fanouts_phase import *  # noqa: E402, F401, F403
 from .fanouts_pools import *  # noqa: E402, F401, F403
 from .fanouts_rq import *  # noqa: E402, F401, F403
 from .fanouts_slots import *  # noqa: E402, F401, F403
+from .fanouts_spend import *  # noqa: E402, F401, F403
 from .fanouts_stuck import *  # noqa: E402, F401, F403

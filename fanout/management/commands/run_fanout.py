@@ -58,6 +58,18 @@ def param(text: str) -> tuple[str, str]:
     return name.strip(), raw
 
 
+def spend_limit(text: str) -> tuple[str, float]:
+    """unit=amount, e.g. usd=20 or tokens=2000000."""
+    unit, sep, raw = text.partition("=")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not sep or not unit.strip() or not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not of the form unit=amount (usd=20)")
+    return unit.strip(), value
+
+
 def read_params(definition: FanOut, given: list[tuple[str, str]]) -> dict[str, Any]:
     """Keep a param declared ``str`` as the exact text given; read the others as JSON
     when they parse as JSON (42, true, [1]), else as text."""
@@ -113,6 +125,15 @@ class Command(BaseCommand):
             type=positive_int,
             default=None,
             help="In-flight cap for a new run. Default: the definition's.",
+        )
+        parser.add_argument(
+            "--max-spend",
+            type=spend_limit,
+            action="append",
+            default=[],
+            metavar="UNIT=AMOUNT",
+            help="A new run's budget, repeatable (--max-spend usd=20). Default: the definition's "
+            "max_spend, if any.",
         )
         parser.add_argument(
             "--no-wait",
@@ -259,6 +280,7 @@ class Command(BaseCommand):
             options["run_key"],
             executor=options["executor"] or "inline",
             max_parallel=options["max_parallel"],
+            max_spend=dict(options["max_spend"]) or None,
         )
 
     def _cancel(self, run_id: int, as_json: bool, compensate: bool = False) -> None:

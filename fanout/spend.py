@@ -1,0 +1,559 @@
+"""Spend: what items cost, reserved against budgets when admitted, settled with their outcomes.
+
+An item's estimate ({unit: amount}, from its definition's ``cost=``) is written with the item.
+While the item runs, its estimate is held (``reserved``) on every budget it counts against:
+its run's (``max_spend``) and its pool's. Its outcome's transaction replaces the reservation
+with what the call reported (a success that reported nothing cost its estimate). A call cut off
+by a crash keeps its reservation as spent, because nobody knows what it spent.
+
+Admission stops when spent plus reserved would pass a budget, so spend exceeds a budget by at
+most the sum of (actual - estimate) over the items in flight; with estimates that are upper
+bounds, never. Budgets are rows (``SpendAccount``) written only under their own row locks, taken
+after the run's and pools' rows and, within the accounts, the run's before the pools' in name
+order: the order every transaction keeps (see ``transitions``).
+
+A definition without ``cost=`` and a run without a budget touch none of this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Case, F, FloatField, Q, Value, When
+
+from .cost import Units, add, amount, describe, total
+from .models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
+
+if TYPE_CHECKING:
+    from .transitions import ExecutionOutcome
+
+_EPSILON = 1e-9
+
+# ------------------------------------------------------------------------------ budgets
+
+
+def open_run_budget(run_id: int, max_spend: Mapping[str, float]) -> None:
+    """Give the run its budget, one account per unit (a run's budget is set once: raising it
+    is an operator's edit of the account)."""
+    rows = [SpendAccount(run_id=run_id, unit=u, budget=b) for u, b in max_spend.items()]
+    SpendAccount.objects.bulk_create(rows, ignore_conflicts=True)
+
+
+def open_pool_budget(name: str, units: Mapping[str, float], period: float | None) -> None:
+    """Give the pool a budget per unit, holding what its running items reserve already."""
+    held = total(
+        ItemClaim.objects.running()
+        .filter(pool=name)
+        .filter(estimate__isnull=False)
+        .values_list("estimate", flat=True)
+    )
+    for unit, budget in units.items():
+        try:
+            with transaction.atomic():
+                SpendAccount.objects.get_or_create(
+                    pool=name,
+                    unit=unit,
+                    defaults=dict(budget=budget, period=period, reserved=held.get(unit, 0.0)),
+                )
+        except IntegrityError:  # pragma: no cover - another process made it first
+            pass
+
+
+@dataclass
+class _Account:
+    pk: int
+    run_id: int | None
+    pool: str | None
+    unit: str
+    budget: float
+    spent: float
+    reserved: float
+    period: float | None
+    period_started_at: datetime | None
+    spent_delta: float = 0.0
+    reserved_delta: float = 0.0
+    reset: bool = False
+
+    @property
+    def used(self) -> float:
+        return self.spent + self.reserved
+
+    def reason(self) -> str:
+        return describe(self.unit, self.spent, self.budget, self.reserved)
+
+    def period_ends(self) -> datetime | None:
+        if self.period is None or self.period_started_at is None:
+            return None
+        return self.period_started_at + timedelta(seconds=self.period)
+
+
+_ACCOUNT_FIELDS = (
+    "pk",
+    "run_id",
+    "pool",
+    "unit",
+    "budget",
+    "spent",
+    "reserved",
+    "period",
+    "period_started_at",
+)
+
+
+def _lock(accounts: Any, skip_locked: bool = False) -> list[_Account]:
+    rows = accounts.order_by("run_id", "pool", "unit")
+    if connection.features.has_select_for_update:
+        rows = rows.select_for_update(skip_locked=skip_locked)
+    return [_Account(*values) for values in rows.values_list(*_ACCOUNT_FIELDS)]
+
+
+def _roll(account: _Account, now: datetime) -> None:
+    """A pool's period that has passed starts again from zero spent (reservations carry)."""
+    if account.period is None:
+        return
+    if account.period_started_at is None:
+        account.period_started_at, account.reset = now, True
+        return
+    ends = account.period_ends()
+    if ends is not None and now >= ends:
+        periods = math.floor((now - account.period_started_at).total_seconds() / account.period)
+        account.period_started_at += timedelta(seconds=periods * account.period)
+        account.spent, account.reset = 0.0, True
+
+
+@dataclass
+class Gate:
+    """A claim's view of the budgets it admits against, locked for its transaction."""
+
+    run_id: int
+    now: datetime
+    run: list[_Account] = field(default_factory=list)
+    pools: dict[str, list[_Account]] = field(default_factory=dict)
+    reason: str = ""  # why the run's budget admits nothing more, when it does not
+    blocked_until: datetime | None = None
+    charged: list[dict] = field(default_factory=list)  # reclaimed items: cut-off calls
+
+    @classmethod
+    def open(cls, run_id: int, now: datetime) -> Gate:
+        gate = cls(run_id, now)
+        gate.run = _lock(SpendAccount.objects.filter(run_id=run_id))
+        return gate
+
+    def open_pools(self, names: Sequence[str], skip_locked: bool) -> set[str]:
+        """Lock the named pools' budgets (call with their pool rows locked); return those whose
+        budgets were locked by another claimer (a later round skips them)."""
+        found = _lock(SpendAccount.objects.filter(pool__in=names), skip_locked=skip_locked)
+        for name in names:
+            self.pools.setdefault(name, [])
+        for account in found:
+            _roll(account, self.now)
+            self.pools[account.pool or ""].append(account)
+        if not skip_locked or not connection.features.has_select_for_update:
+            return set()
+        # A pool with budgets none of which we got: another claimer holds them.
+        every = set(SpendAccount.objects.filter(pool__in=names).values_list("pool", flat=True))
+        return every - {a.pool for a in found if a.pool}
+
+    def admit(self, estimate: Mapping[str, float] | None, pool: str, reclaim: bool) -> str:
+        """Take the item's reservation if every budget allows it; else say why not.
+
+        A reclaimed item's cut-off call keeps its reservation as spent, and its new call
+        reserves again: spent grows by the estimate, reserved stays.
+        """
+        accounts = [*self.run, *self.pools.get(pool, ())]
+        need = estimate or {}
+        for account in accounts:
+            n = need.get(account.unit, 0.0)
+            after = account.used + n
+            if after > account.budget + _EPSILON or (n == 0 and account.used >= account.budget):
+                return self._refused(account)
+        for account in accounts:
+            n = need.get(account.unit, 0.0)
+            if reclaim:
+                account.spent += n
+            else:
+                account.reserved += n
+        return ""
+
+    def _refused(self, account: _Account) -> str:
+        reason = account.reason()
+        if account.run_id is not None:
+            self.reason = reason
+        until = account.period_ends()
+        if until is not None and (self.blocked_until is None or until < self.blocked_until):
+            self.blocked_until = until
+        return reason
+
+    def pool_spent(self, pool: str) -> str:
+        """Why the pool's budget admits nothing at all now ("" while it admits some)."""
+        for account in self.pools.get(pool, ()):
+            if account.used >= account.budget - _EPSILON:
+                return self._refused(account)
+        return ""
+
+    def apply(self, fresh: Sequence[dict], reclaimed: Sequence[dict], lost: Sequence[dict]) -> None:
+        """Write what the claim did: fresh items reserve their estimates; reclaimed ones and
+        expired ones that fail keep their cut-off calls' reservations as spent."""
+        cut_off = [r for r in (*reclaimed, *lost) if r["status"] == ItemStatus.RUNNING]
+        _charge_items(cut_off)
+        moves = [(r, 0.0, 1.0) for r in fresh] + [(r, 1.0, 0.0) for r in reclaimed]
+        moves += [(r, 1.0, -1.0) for r in lost if r["status"] == ItemStatus.RUNNING]
+        for row, spent, reserved in moves:
+            for account in [*self.run, *self.pools.get(row["pool"], ())]:
+                n = (row.get("estimate") or {}).get(account.unit, 0.0)
+                account.spent_delta += spent * n
+                account.reserved_delta += reserved * n
+        for account in [*self.run, *(a for name in sorted(self.pools) for a in self.pools[name])]:
+            if not (account.spent_delta or account.reserved_delta or account.reset):
+                continue
+            changes: dict[str, Any] = {}
+            if account.reset:
+                # The period rolled over: spent restarts from zero, plus what this claim spent.
+                changes.update(
+                    spent=account.spent_delta, period_started_at=account.period_started_at
+                )
+            _move(SpendAccount.objects.filter(pk=account.pk), account, changes)
+
+
+def _move(rows: Any, account: _Account, changes: dict[str, Any]) -> None:
+    if "spent" not in changes:
+        changes["spent"] = F("spent") + account.spent_delta
+    changes["reserved"] = F("reserved") + account.reserved_delta
+    rows.update(**changes)
+
+
+def _charge_items(rows: Sequence[dict]) -> None:
+    """Calls cut off by a crash cost their item its estimate (what they may have spent)."""
+    charged = [r for r in rows if r.get("estimate")]
+    if not charged:
+        return
+    for row in charged:
+        ItemClaim.objects.filter(pk=row["pk"]).update(cost=add(row.get("cost"), row["estimate"]))
+
+
+# ---------------------------------------------------------------- settling with outcomes
+
+
+def actual(outcome: ExecutionOutcome, estimate: Mapping[str, float] | None) -> Units:
+    """What a finished call cost: what it reported; a success that reported nothing, its
+    estimate; a failed or throttled call that reported nothing, nothing."""
+    if outcome.cost is not None:
+        return dict(outcome.cost)
+    if outcome.kind == ItemStatus.SUCCEEDED:
+        return dict(estimate or {})
+    return {}
+
+
+def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]]) -> int:
+    """Move accounts by {(run, pool): {unit: [spent, reserved]}}: the run's first, then the
+    pools' in name order (the lock order), one statement per owner; return the rows moved."""
+    moved = 0
+
+    def order(key: tuple[int | None, str | None]) -> tuple[int, Any]:
+        return (0, key[0]) if key[0] is not None else (1, key[1])
+
+    for key in sorted(changes, key=order):
+        units = {u: d for u, d in changes[key].items() if d[0] or d[1]}
+        if not units:
+            continue
+        run_id, pool = key
+        rows = SpendAccount.objects.filter(unit__in=list(units))
+        rows = rows.filter(run_id=run_id) if run_id is not None else rows.filter(pool=pool)
+        if len(units) == 1:
+            ((spent, reserved),) = units.values()
+            moved += rows.update(spent=F("spent") + spent, reserved=F("reserved") + reserved)
+            continue
+        moved += rows.update(
+            spent=F("spent")
+            + Case(
+                *(When(unit=u, then=Value(d[0])) for u, d in units.items()),
+                default=Value(0.0),
+                output_field=FloatField(),
+            ),
+            reserved=F("reserved")
+            + Case(
+                *(When(unit=u, then=Value(d[1])) for u, d in units.items()),
+                default=Value(0.0),
+                output_field=FloatField(),
+            ),
+        )
+    return moved
+
+
+def settle(rows: Sequence[tuple[int, int, str]], outcomes: Sequence[ExecutionOutcome]) -> None:
+    """Replace the items' reservations by what their calls cost, in the outcomes' transaction.
+
+    ``rows`` are the items' (pk, run, pool), locked and held by the writer.
+    """
+    if not any(o.accounted for o in outcomes):
+        return
+    by_pk = {o.pk: o for o in outcomes}
+    where = {pk: (run_id, pool) for pk, run_id, pool in rows if pk in by_pk}
+    found = ItemClaim.objects.filter(pk__in=list(where)).values_list("pk", "estimate", "cost")
+    changes: dict[tuple[int | None, str | None], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(lambda: [0.0, 0.0])
+    )
+    corrections: dict[str, Units] = defaultdict(dict)
+    for pk, estimate, cost in found:
+        spent = actual(by_pk[pk], estimate)
+        if spent:
+            ItemClaim.objects.filter(pk=pk).update(cost=add(cost, spent))
+        run_id, pool = where[pk]
+        if pool:
+            corrections[pool] = add(corrections[pool], overran(spent, estimate))
+        for owner in ((run_id, None), (None, pool)) if pool else ((run_id, None),):
+            for unit, n in spent.items():
+                changes[owner][unit][0] += n
+            for unit, n in (estimate or {}).items():
+                changes[owner][unit][1] -= n
+    correct_buckets(corrections)
+    _shift(changes)
+
+
+def overran(spent: Mapping[str, float], estimate: Mapping[str, float] | None) -> Units:
+    """What a call cost beyond its estimate, by unit (negative: below it)."""
+    units = set(spent) | set(estimate or {})
+    return {u: spent.get(u, 0.0) - (estimate or {}).get(u, 0.0) for u in units}
+
+
+def correct_buckets(corrections: Mapping[str, Mapping[str, float]]) -> None:
+    """Pools whose rate counts a unit took items' estimates from their buckets: what the calls
+    cost beyond (or below) them is taken (or given back) now. The pools' rows are locked by
+    the caller already (it gave their slots back), in name order."""
+    for name in sorted(corrections):
+        units = {u: d for u, d in corrections[name].items() if d}
+        if not units:
+            continue
+        CapacityPool.objects.filter(name=name, rate_unit__in=list(units)).filter(
+            tokens__isnull=False
+        ).update(
+            tokens=F("tokens")
+            - Case(
+                *(When(rate_unit=u, then=Value(d)) for u, d in units.items()),
+                default=Value(0.0),
+                output_field=FloatField(),
+            )
+        )
+
+
+def charge_lost(pks: Sequence[int]) -> None:
+    """Items leaving a dead or stopped owner: their cut-off calls keep their reservations as
+    spent. The caller holds the items' rows (and took the runs' and pools' after them)."""
+    found = list(
+        ItemClaim.objects.filter(pk__in=list(pks))
+        .filter(estimate__isnull=False)
+        .values("pk", "run_id", "pool", "estimate", "cost", "status")
+    )
+    if not found:
+        return
+    changes: dict[tuple[int | None, str | None], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(lambda: [0.0, 0.0])
+    )
+    for row in found:
+        owners = [(row["run_id"], None)] + ([(None, row["pool"])] if row["pool"] else [])
+        for owner in owners:
+            for unit, n in row["estimate"].items():
+                changes[owner][unit][0] += n
+                changes[owner][unit][1] -= n
+    for row in found:
+        row["status"] = ItemStatus.RUNNING
+    _charge_items(found)
+    _shift(changes)
+
+
+# ---------------------------------------------------------------------- the hand-over
+
+# Per run, in this process: whether it has a budget of its own (made with the run, never later).
+_run_budgets: dict[int, bool] = {}
+
+
+def run_has_budget(run_id: int) -> bool:
+    known = _run_budgets.get(run_id)
+    if known is None:
+        if len(_run_budgets) > 10_000:
+            _run_budgets.clear()
+        known = _run_budgets[run_id] = SpendAccount.objects.filter(run_id=run_id).exists()
+    return known
+
+
+def after_hand_over(
+    outcome: ExecutionOutcome, run_id: int, next_pk: int | None, run_budget: bool = True
+) -> bool:
+    """Settle a handed-over item and reserve for the one that took its slot, in the hand-over's
+    transaction; False when a budget refuses the next item. Its reservation stays until the
+    caller records it released (by the record path, which takes the locks in their order)."""
+    pks = [outcome.pk] + ([next_pk] if next_pk is not None else [])
+    found = {
+        pk: (estimate, cost)
+        for pk, estimate, cost in ItemClaim.objects.filter(pk__in=pks).values_list(
+            "pk", "estimate", "cost"
+        )
+    }
+    estimate, cost = found.get(outcome.pk, (None, None))
+    spent = actual(outcome, estimate)
+    if spent:
+        ItemClaim.objects.filter(pk=outcome.pk).update(cost=add(cost, spent))
+    if outcome.pool:
+        correct_buckets({outcome.pool: overran(spent, estimate)})
+    reserve = (found.get(next_pk, (None, None))[0] or {}) if next_pk is not None else {}
+    changes: dict[tuple[int | None, str | None], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(lambda: [0.0, 0.0])
+    )
+    # A run's budget is made with the run, never later: a run without one has nothing to move.
+    owners = ([(run_id, None)] if run_budget else []) + (
+        [(None, outcome.pool)] if outcome.pool else []
+    )
+    for owner in owners:
+        for unit, n in spent.items():
+            changes[owner][unit][0] += n
+        for unit, n in (estimate or {}).items():
+            changes[owner][unit][1] -= n
+        for unit, n in reserve.items():
+            changes[owner][unit][1] += n
+    moved = _shift(changes)
+    if next_pk is None or not moved:
+        return True
+    # The next item's reservation is taken: refuse it if a budget is passed or was reached.
+    over = SpendAccount.objects.filter(
+        Q(run_id=run_id) | Q(pool=outcome.pool) if outcome.pool else Q(run_id=run_id)
+    ).values_list("unit", "spent", "reserved", "budget", "run_id", "pool")
+    refused = False
+    for unit, acc_spent, acc_reserved, budget, _, _ in over:
+        n = reserve.get(unit, 0.0)
+        used_before = acc_spent + acc_reserved - n
+        if acc_spent + acc_reserved > budget + _EPSILON or (n == 0 and used_before >= budget):
+            refused = True
+    return not refused
+
+
+def spent_by(costs: Iterable[Mapping[str, float] | None]) -> Units:
+    """Spend summed over items' costs (for reports)."""
+    return total(costs)
+
+
+# ------------------------------------------------------------------------ token-rate pools
+
+
+def unfit(name: str, rows: Iterable[tuple[str, str, Mapping[str, float] | None]]) -> str:
+    """Why some of these items (key, pool, estimate) could never be admitted by their pool's
+    token bucket, "" when all can: an estimate larger than the bucket, or none at all for a
+    pool whose rate counts a unit."""
+    rows = list(rows)
+    names = {pool for _, pool, _ in rows if pool}
+    if not names:
+        return ""
+    pools = {
+        p.name: p
+        for p in CapacityPool.objects.filter(name__in=names, rate_count__isnull=False).exclude(
+            rate_unit=""
+        )
+    }
+    for key, pool_name, estimate in rows:
+        pool = pools.get(pool_name)
+        if pool is None:
+            continue
+        if estimate is None:
+            return (
+                f"fan-out {name!r}: pool {pool.name!r} counts {pool.rate_unit} "
+                f"({pool.describe_rate()}): give the definition a cost= in {pool.rate_unit}"
+            )
+        need = estimate.get(pool.rate_unit, 0.0)
+        if pool.capacity is not None and need > pool.capacity + _EPSILON:
+            return (
+                f"fan-out {name!r}: item {key!r} is estimated at "
+                f"{amount(pool.rate_unit, need)}, more than pool {pool.name!r}'s bucket holds "
+                f"({pool.describe_rate()}): it could never be admitted"
+            )
+    return ""
+
+
+# ---------------------------------------------------------------------------- visibility
+
+
+def _open_account(account: SpendAccount, now: datetime) -> SpendAccount:
+    """The account as the next claim will see it: a pool's period that has passed is spent
+    from zero (not written: only a claim, under the lock, rolls it over)."""
+    if account.period and account.period_started_at is not None:
+        if now >= account.period_started_at + timedelta(seconds=account.period):
+            account.spent = 0.0
+    return account
+
+
+def _holds(account: SpendAccount, need: float) -> bool:
+    used = account.spent + account.reserved
+    return used + need > account.budget + _EPSILON or (need == 0 and used >= account.budget)
+
+
+def run_hold(run_id: int, now: datetime) -> str:
+    """Why the run's budget admits none of its due items now ("" when it admits the next, or
+    it has no budget): its next due item's estimate is what a claim would hold."""
+    accounts = [_open_account(a, now) for a in SpendAccount.objects.filter(run_id=run_id)]
+    if not accounts:
+        return ""
+    estimate = (
+        ItemClaim.objects.pending_due(now)
+        .filter(run_id=run_id)
+        .order_by("index")
+        .values_list("estimate", flat=True)
+        .first()
+    ) or {}
+    for account in accounts:
+        if _holds(account, estimate.get(account.unit, 0.0)):
+            return describe(account.unit, account.spent, account.budget, account.reserved)
+    return ""
+
+
+def pool_holds(names: Iterable[str], now: datetime) -> dict[str, str]:
+    """Pools whose budget is spent (spent plus reserved at the budget), and why, in words."""
+    held: dict[str, str] = {}
+    for account in SpendAccount.objects.filter(pool__in=list(names)).order_by("pool", "unit"):
+        account = _open_account(account, now)
+        if account.pool and account.pool not in held and _holds(account, 0.0):
+            held[account.pool] = describe(
+                account.unit, account.spent, account.budget, account.reserved
+            )
+    return held
+
+
+def budget_rows(accounts: Iterable[SpendAccount], now: datetime) -> list[dict[str, Any]]:
+    """Budgets as the admin, the --json report and the metrics show them."""
+    rows = []
+    for account in accounts:
+        account = _open_account(account, now)
+        rows.append(
+            {
+                "unit": account.unit,
+                "budget": account.budget,
+                "spent": round(account.spent, 9),
+                "reserved": round(max(account.reserved, 0.0), 9),
+                "fraction": (account.spent + account.reserved) / account.budget
+                if account.budget
+                else 1.0,
+                **({"period_seconds": account.period} if account.period else {}),
+                **(
+                    {"period_started_at": account.period_started_at}
+                    if account.period_started_at
+                    else {}
+                ),
+            }
+        )
+    return rows
+
+
+def run_report(run_id: int, now: datetime) -> dict[str, Any]:
+    """A run's spend for its report: what its items cost by unit, what its running items hold,
+    and its budget; {} for a run that counts nothing."""
+    items = ItemClaim.objects.filter(run_id=run_id)
+    costs = items.filter(cost__isnull=False).values_list("cost", flat=True)
+    held = items.running().filter(estimate__isnull=False).values_list("estimate", flat=True)
+    budgets = budget_rows(SpendAccount.objects.filter(run_id=run_id), now)
+    spent, reserved = total(costs), total(held)
+    if not (spent or reserved or budgets):
+        return {}
+    return {"spend": {"spent": spent, "reserved": reserved, "budgets": budgets}}
