@@ -75,7 +75,7 @@ def test_two_parents_starting_the_same_run_at_once_make_one_run_with_one_item_ea
     assert len(Observation.objects.filter(name="join")) == 1
 
 
-def racing_workers(run_key: str) -> list[str]:
+def racing_workers(run_key: str, sleep: float = 0.01) -> list[str]:
     return [
         "run_fanout",
         "t_ledger",
@@ -84,7 +84,7 @@ def racing_workers(run_key: str) -> list[str]:
         "--param",
         "n=300",
         "--param",
-        "sleep=0.01",
+        f"sleep={sleep}",
         "--workers",
         "4",
         "--max-parallel",
@@ -124,7 +124,9 @@ def test_worker_processes_joining_a_run_midway_execute_every_item_exactly_once(
     children: Children, database_url: str
 ) -> None:
     env = procs.child_env(database_url)
-    command = racing_workers("midway")
+    # Items of 100 ms: the first process alone needs 7.5 s for the rest, longer than the
+    # others take to start on a loaded machine (at 10 ms it finished before they joined).
+    command = racing_workers("midway", sleep=0.1)
     first = procs.spawn_manage(command, env)
     children.append(first)
     procs.wait_until(
