@@ -117,6 +117,7 @@ docs: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) db.sqlite3 db.sqlite3-wal db.sqlite3-shm build dist *.egg-info docs/_build
