@@ -147,7 +147,10 @@ def _check_run(
     after = sum(1 for k in ran if by_key[k].finished_at > failed.finished_at)
     result.check(failed.status == "failed", f"{mode}: {bad} ended {failed.status}, not failed")
     result.check(len(ran) - after >= 2, f"{mode}: only {len(ran) - after} items succeeded first")
-    result.check(after >= 1, f"{mode}: no item succeeded after {bad} failed")
+    # A kill meant for the other run's compensation may cut off this run's bad item (threads
+    # serve both runs): taken over a lease later, it fails after every other item finished.
+    bad_cut = any(c.key == bad and c.ended is None for c in forward)
+    result.check(after >= 1 or bad_cut, f"{mode}: no item succeeded after {bad} failed")
     result.check(not others, f"{mode}: items ended {sorted(others)}")
     result.check(
         compensated == ran,
