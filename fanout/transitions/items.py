@@ -20,13 +20,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F, Field, QuerySet
+from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from .. import spend
+from ..backends import backend
 from ..clock import DbNow, db_now_plus
 from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
 
@@ -432,61 +433,16 @@ def _grouped(outcomes: Sequence[ExecutionOutcome], by: Any) -> dict[Any, list[Ex
 
 
 def _write_values(rows: list[ItemClaim], fields: list[str]) -> None:
-    """Per-row values for locked rows, in one statement whatever the count."""
+    """Per-row values for locked rows, in as few statements as the database allows."""
     first = rows[0]
     varying = [f for f in fields if any(getattr(r, f) != getattr(first, f) for r in rows[1:])]
     items = ItemClaim.objects.filter(pk__in=[r.pk for r in rows])
     if not varying:
         items.update(**{f: getattr(first, f) for f in fields})
-    elif connection.vendor == "postgresql":
-        _update_from_values(rows, fields, varying)
     else:
-        # Elsewhere Django's CASE WHEN per row and field: slower to build, but portable.
-        ItemClaim.objects.bulk_update(rows, fields)
-
-
-_VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
-
-
-def _update_from_values(rows: list[ItemClaim], fields: list[str], varying: list[str]) -> None:
-    """One UPDATE ... FROM (VALUES ...): per-row values without Django's CASE WHEN per field.
-
-    bulk_update() builds and compiles a When() per row and field: at 200 outcomes per batch
-    that is about 1 ms of CPU per item, more than everything else a worker does.
-    """
-    meta = ItemClaim._meta
-
-    def qn(field: Field) -> str:
-        return connection.ops.quote_name(str(field.column))
-
-    first = rows[0]
-    sets, params = [], []
-    for name in fields:
-        field = cast(Field, meta.get_field(name))
-        if name in varying:
-            sets.append(f"{qn(field)} = v.{qn(field)}")
-        else:
-            sets.append(f"{qn(field)} = %s")
-            params.append(field.get_db_prep_save(getattr(first, name), connection))
-    pk = cast(Field, meta.pk)
-    columns = [pk, *(cast(Field, meta.get_field(name)) for name in varying)]
-    row_sql = "(" + ", ".join(f"%s::{f.db_type(connection)}" for f in columns) + ")"
-    table = connection.ops.quote_name(meta.db_table)
-    with connection.cursor() as cursor:
-        for start_at in range(0, len(rows), _VALUES_PER_STATEMENT):
-            part = rows[start_at : start_at + _VALUES_PER_STATEMENT]
-            values = [
-                f.get_db_prep_save(getattr(row, f.attname), connection)
-                for row in part
-                for f in columns
-            ]
-            cursor.execute(
-                f"UPDATE {table} SET {', '.join(sets)} "
-                f"FROM (VALUES {', '.join([row_sql] * len(part))}) "
-                f"AS v({', '.join(qn(f) for f in columns)}) "
-                f"WHERE {table}.{qn(pk)} = v.{qn(pk)}",
-                [*params, *values],
-            )
+        # One UPDATE ... FROM (VALUES ...) on PostgreSQL; Django's CASE WHEN elsewhere.
+        constants = {f: getattr(first, f) for f in fields if f not in varying}
+        backend().update_rows(ItemClaim, rows, varying, constants)
 
 
 # --- pending items that nobody holds ------------------------------------------------------
