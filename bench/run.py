@@ -2007,13 +2007,15 @@ def chart_items_insert(n: int) -> str:
 
 
 def chart_run(n: int) -> tuple[int, int]:
-    """A finished run of n items (and a sample of its waits every 10 s), and its pool."""
+    """A finished run of n items (and a sample every 10 s of its waits and of the items that
+    ended), and its pool."""
     from datetime import timedelta
 
     from django.db import connection
     from django.utils import timezone
 
     from fanout.models import BatchRun, CapacityPool, RunSample
+    from fanout.sample import tally
 
     now = timezone.now()
     start = now - timedelta(seconds=CHART_LIFE)
@@ -2038,8 +2040,12 @@ def chart_run(n: int) -> tuple[int, int]:
             chart_items_insert(n),
             {"run": run.pk, "pool": CHART_POOL, "start": start, "last": n - 1, "n": n},
         )
-    RunSample.objects.bulk_create(
-        RunSample(
+    analyze()
+    # As the supervisor samples a running run: what waited, and the items that ended in the
+    # window up to 10 s before (fanout.sample.tally, the same query).
+    samples, since = [], None
+    for s in range(10, CHART_LIFE, 10):
+        sample = RunSample(
             run=run,
             at=start + timedelta(seconds=s),
             running=40 + s % 24,
@@ -2047,8 +2053,10 @@ def chart_run(n: int) -> tuple[int, int]:
             rate_limited=(s * 11) % 300,
             retry_due=s % 50,
         )
-        for s in range(0, CHART_LIFE, 10)
-    )
+        tally(sample, run, since, sample.at - timedelta(seconds=10))
+        samples.append(sample)
+        since = sample.upto
+    RunSample.objects.bulk_create(samples)
     analyze()
     return run.pk, pool.pk
 
