@@ -2222,13 +2222,13 @@ def claims_summary(loops: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def prune_beside(cfg: argparse.Namespace, batch: int, logdir: Path) -> dict[str, Any]:
+def prune_beside(cfg: argparse.Namespace, batch: int, pause: float, logdir: Path) -> dict[str, Any]:
     """Fill cfg.retention_rows finished item rows, then prune them with ``manage.py
     fanout_prune`` in a subprocess while the claim loop drains a run beside it."""
     add_terminal_rows(cfg.retention_rows)
-    log_path = logdir / f"prune-{batch}.log"
+    log_path = logdir / f"prune-{batch}-{pause:g}.log"
     cmd = [sys.executable, "manage.py", "fanout_prune", "--older-than", "0s", "--batch", str(batch)]
-    cmd += ["--json"]
+    cmd += ["--pause", f"{pause:g}", "--json"]
     t0 = time.monotonic()
     proc = spawn(cmd, log_path)
     loops = []
@@ -2246,6 +2246,7 @@ def prune_beside(cfg: argparse.Namespace, batch: int, logdir: Path) -> dict[str,
     report = json.loads(log_path.read_text().strip().splitlines()[-1])
     return {
         "batch": batch,
+        "pause": pause,
         "rows": report["items"],
         "prune_s": seconds,
         "rows_per_s": report["items"] / seconds,
@@ -2260,8 +2261,9 @@ def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     reset_tables()
     out: dict[str, Any] = {"rows": cfg.retention_rows, "pruned": []}
     alone = [claim_loop(cfg.retention_alone)]
-    for batch in cfg.retention_batches:
-        beside = retry_db("retention", partial(prune_beside, cfg, batch, logdir))
+    tries = [(b, p) for b in cfg.retention_batches for p in cfg.retention_pauses]
+    for batch, pause in tries:
+        beside = retry_db("retention", partial(prune_beside, cfg, batch, pause, logdir))
         alone.append(claim_loop(cfg.retention_alone))
         base = claims_summary(alone[-2:])
         beside["p99_ratio"] = beside["p99_ms"] / base["p99_ms"]
@@ -2269,7 +2271,8 @@ def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         beside["alone"] = base
         out["pruned"].append(beside)
         log(
-            f"  batch {batch}: {beside['rows']:,} rows in {beside['prune_s']:.1f} s = "
+            f"  batch {batch}, pause {pause:g} s: {beside['rows']:,} rows in "
+            f"{beside['prune_s']:.1f} s = "
             f"{beside['rows_per_s']:,.0f} rows/s; beside it {beside['items_per_s']:,.0f} "
             f"items/s, claim p99 {beside['p99_ms']:.2f} ms; alone {base['items_per_s']:,.0f} "
             f"items/s, p99 {base['p99_ms']:.2f} ms (p99 x{beside['p99_ratio']:.2f}, "
@@ -2286,12 +2289,14 @@ def report_retention(res: dict[str, Any]) -> list[str]:
     lines = [
         f"9. fanout_prune of {rt['rows']:,} finished item rows beside a per-item run "
         "(one claimer), against the same run alone just before and after",
-        f"{'batch':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}{'claim p99 beside':>18}"
+        f"{'batch':>7}{'pause':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}"
+        f"{'claim p99 beside':>18}"
         f"{'alone':>8}{'p99 ratio':>11}{'slowdown':>10}",
     ]
     for v in rt["pruned"]:
         lines.append(
-            f"{v['batch']:>7,}{v['rows_per_s']:>10,.0f}{v['items_per_s']:>16,.0f}"
+            f"{v['batch']:>7,}{v.get('pause', 0):>6g}s{v['rows_per_s']:>10,.0f}"
+            f"{v['items_per_s']:>16,.0f}"
             f"{v['alone']['items_per_s']:>8,.0f}{v['p99_ms']:>16.2f}ms"
             f"{v['alone']['p99_ms']:>6.2f}ms{v['p99_ratio']:>11.2f}{v['throughput_ratio']:>10.2f}"
         )
@@ -2997,6 +3002,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fanout_prune --batch sizes the retention phase tries, one prune each "
         "(default 2000,500)",
     )
+    p.add_argument(
+        "--retention-pauses",
+        metavar="S,S",
+        default=None,
+        help="fanout_prune --pause seconds the retention phase tries with each batch size "
+        "(default 0,1)",
+    )
     p.add_argument("--child-materialize", type=int, help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
     quick = cfg.quick
@@ -3029,6 +3041,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cfg.chart_items = cfg.chart_items or (20_000 if quick else 1_000_000)
     cfg.retention_rows = cfg.retention_rows or (20_000 if quick else 1_000_000)
     cfg.retention_batches = sizes(cfg.retention_batches or "2000,500")
+    cfg.retention_pauses = [float(x) for x in (cfg.retention_pauses or "0,1").split(",")]
     cfg.retention_chunk = 100  # claims per loop beside the prune: it checks the prune between
     cfg.retention_alone = 200 if quick else 1000
     cfg.phases = [x.strip() for x in cfg.only.split(",") if x.strip()]
@@ -3075,6 +3088,8 @@ def mariadb_pass(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
         str(cfg.retention_rows),
         "--retention-batches",
         sizes(cfg.retention_batches),
+        "--retention-pauses",
+        ",".join(f"{x:g}" for x in cfg.retention_pauses),
         *(["--quick"] if cfg.quick else []),
     ]
     # The URL goes by the environment, where a password is not shown to other users.
