@@ -52,6 +52,7 @@ from .common import (
     wrapped,
 )
 from .filters import HELD
+from .spend import run_spend
 
 ACTIVE_RUN_STATUSES = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
 POLL_MILLISECONDS = 2000
@@ -420,6 +421,7 @@ class BatchRunAdmin(FanoutAdmin):
                 for g in failure_groups(run.pk)
             ],
             "pools": pools,
+            "spend": run_spend(run, timezone.now()),
             "charts": run_panels(run, timezone.now()),
             "buttons": (buttons := self._buttons(request, run, counts["failed"])),
             "retry_note": self._retry_note(run) if buttons and _offers_retry(buttons) else "",
