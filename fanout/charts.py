@@ -290,14 +290,31 @@ class PoolCharts:
 
 def pool_charts(name: str, now: datetime) -> PoolCharts:
     """The pool page's last hour in one pass over the items that were claimed in it or held
-    a slot in it, grouped by (the bucket of their claim, of their end, whether they held a
-    slot): admissions are the claims per bucket, and the items in flight at the end of a
-    bucket those claimed before it and not yet ended."""
+    a slot in it: admissions are the claims per bucket, and the items in flight at the end of
+    a bucket those claimed before it and not yet ended."""
     axis = TimeAxis.over(now - POOL_WINDOW, now)
-    edges = [axis.start, *axis.inner_edges()]  # bucket 0: before the hour; i + 1: bucket i
+    admitted = [0] * axis.count
+    claimed, ended_in = [0] * (axis.count + 1), [0] * (axis.count + 1)
+    for c, f, held, n in _pool_rows(name, axis, now):
+        if c > 0:
+            admitted[c - 1] += n
+        if held:  # a pending item, released or retried, holds no slot: not in flight
+            claimed[c] += n
+            if f >= 0:
+                ended_in[f] += n
+    # By the end of bucket i: claimed in buckets 0..i + 1, less ended in them.
+    started, stopped = list(accumulate(claimed)), list(accumulate(ended_in))
+    in_flight = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
+    return PoolCharts(axis, in_flight, admitted)
+
+
+def _pool_rows(name: str, axis: TimeAxis, now: datetime) -> list[tuple[int, int, int, int]]:
+    """The pool's items grouped by (the bucket of their claim, of their end, whether they held
+    a slot); bucket 0 is before the hour, i + 1 the axis's bucket i."""
+    edges = [axis.start, *axis.inner_edges()]
     running = Q(finished_at__isnull=True, status=ItemStatus.RUNNING)
     with backend().aggregating():
-        rows = list(
+        return list(
             ItemClaim.objects.filter(pool=name, claimed_at__lte=now)
             .filter(Q(claimed_at__gte=axis.start) | Q(finished_at__gte=axis.start) | running)
             .annotate(
@@ -314,16 +331,3 @@ def pool_charts(name: str, now: datetime) -> PoolCharts:
             .order_by()
             .values_list("c", "f", "held", "n")
         )
-    admitted = [0] * axis.count
-    claimed, ended = [0] * (axis.count + 1), [0] * (axis.count + 1)
-    for c, f, held, n in rows:
-        if c > 0:
-            admitted[c - 1] += n
-        if held:  # a pending item, released or retried, holds no slot: not in flight
-            claimed[c] += n
-            if f >= 0:
-                ended[f] += n
-    # By the end of bucket i: claimed in buckets 0..i + 1, less ended in them.
-    started, stopped = list(accumulate(claimed)), list(accumulate(ended))
-    in_flight = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
-    return PoolCharts(axis, in_flight, admitted)

@@ -184,15 +184,20 @@ def prune_tree(
             _let_go(root)
             return pruned
         if not keep_runs:
-            with transaction.atomic():
-                RunSample.objects.filter(run_id=run_id)._raw_delete(connection.alias)
-                pruned.runs += BatchRun.objects.filter(pk=run_id)._raw_delete(connection.alias)
+            pruned.runs += _delete_run(run_id)
     if keep_runs:
         pruned.runs = len(tree)
         _let_go(root)
     if status:
         pruned.by_status[status] += 1
     return pruned
+
+
+def _delete_run(run_id: int) -> int:
+    """Delete a run whose items are gone, with its samples."""
+    with transaction.atomic():
+        RunSample.objects.filter(run_id=run_id)._raw_delete(connection.alias)
+        return BatchRun.objects.filter(pk=run_id)._raw_delete(connection.alias)
 
 
 def _let_go(root: int) -> None:
