@@ -22,7 +22,7 @@ from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, W
 from django.db.models.functions import RowNumber
 
 from .backends import backend
-from .models import BatchRun, ItemClaim, ItemStatus, RunSample
+from .models import TERMINAL_ITEM_STATUSES, BatchRun, ItemClaim, ItemStatus, RunSample
 from .sample import WAITS
 from .tally import ATTEMPTS_SHOWN, DURATION_EDGES, Ended, bucket_of, ended, or_none, took
 
@@ -205,7 +205,7 @@ def _percentiles(items: QuerySet[ItemClaim], histogram: list[int]) -> dict[int, 
     wanted = {p: _rank_in_bucket(histogram, p) for p in PERCENTILES}  # p: (bucket, rank in it)
     buckets = sorted({b for b, _ in wanted.values()})
     ranked = (
-        items.terminal()
+        items.filter(status__in=TERMINAL_ITEM_STATUSES)
         .filter(started_at__isnull=False, finished_at__isnull=False)
         .annotate(took=took())
         .annotate(d=bucket_of("took", DURATION_EDGES))

@@ -14,6 +14,7 @@ durations and attempts without reading its items.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Count, Q
 
@@ -83,7 +84,7 @@ def measure(run: BatchRun, now: datetime) -> RunSample:
     return sample
 
 
-def _unfinished_by_pool(run: BatchRun, now: datetime) -> dict[str, dict[str, int]]:
+def _unfinished_by_pool(run: BatchRun, now: datetime) -> dict[str, dict[str, Any]]:
     due = Q(status=ItemStatus.PENDING, next_attempt_at__lte=now) | Q(
         status=ItemStatus.RUNNING, lease_expires_at__lte=now
     )
@@ -99,7 +100,7 @@ def _unfinished_by_pool(run: BatchRun, now: datetime) -> dict[str, dict[str, int
         )
         .order_by()
     )
-    return {r["pool"]: r for r in rows}
+    return {r["pool"]: dict(r) for r in rows}
 
 
 def _waits_on(state: PoolState | None, at_limit: bool) -> str:

@@ -29,7 +29,7 @@ from django.db.models import (
 )
 
 from .backends import backend
-from .models import ItemClaim, ItemStatus
+from .models import TERMINAL_ITEM_STATUSES, ItemClaim, ItemStatus
 
 # A handler's duration, on a fixed log scale so that runs compare: 1 ms to 1 day, 1-2-5.
 DURATION_EDGES = tuple(
@@ -111,7 +111,7 @@ def ended(
         When(status=ItemStatus.FAILED, then=Value(1)), default=Value(0), output_field=IntegerField()
     )
     return list(
-        items.terminal()
+        items.filter(status__in=TERMINAL_ITEM_STATUSES)
         .filter(finished_at__isnull=False)
         .annotate(took=took())
         .annotate(

@@ -148,7 +148,8 @@ def bars(
 
 def _stack(series: Sequence[Series], i: int, scale: _Scale, where: str) -> list[str]:
     """Slot ``i``'s bars, each series's value on top of the ones before it."""
-    rects, base = [], 0.0
+    rects: list[str] = []
+    base = 0.0
     for s in series:
         v = s.values[i] or 0
         if v <= 0:
