@@ -2007,13 +2007,15 @@ def chart_items_insert(n: int) -> str:
 
 
 def chart_run(n: int) -> tuple[int, int]:
-    """A finished run of n items (and a sample of its waits every 10 s), and its pool."""
+    """A finished run of n items (and a sample every 10 s of its waits and of the items that
+    ended), and its pool."""
     from datetime import timedelta
 
     from django.db import connection
     from django.utils import timezone
 
     from fanout.models import BatchRun, CapacityPool, RunSample
+    from fanout.sample import tally
 
     now = timezone.now()
     start = now - timedelta(seconds=CHART_LIFE)
@@ -2038,8 +2040,12 @@ def chart_run(n: int) -> tuple[int, int]:
             chart_items_insert(n),
             {"run": run.pk, "pool": CHART_POOL, "start": start, "last": n - 1, "n": n},
         )
-    RunSample.objects.bulk_create(
-        RunSample(
+    analyze()
+    # As the supervisor samples a running run: what waited, and the items that ended in the
+    # window up to 10 s before (fanout.sample.tally, the same query).
+    samples, since = [], None
+    for s in range(10, CHART_LIFE, 10):
+        sample = RunSample(
             run=run,
             at=start + timedelta(seconds=s),
             running=40 + s % 24,
@@ -2047,8 +2053,10 @@ def chart_run(n: int) -> tuple[int, int]:
             rate_limited=(s * 11) % 300,
             retry_due=s % 50,
         )
-        for s in range(0, CHART_LIFE, 10)
-    )
+        tally(sample, run, since, sample.at - timedelta(seconds=10))
+        samples.append(sample)
+        since = sample.upto
+    RunSample.objects.bulk_create(samples)
     analyze()
     return run.pk, pool.pk
 
@@ -2214,13 +2222,13 @@ def claims_summary(loops: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def prune_beside(cfg: argparse.Namespace, batch: int, logdir: Path) -> dict[str, Any]:
+def prune_beside(cfg: argparse.Namespace, batch: int, pause: float, logdir: Path) -> dict[str, Any]:
     """Fill cfg.retention_rows finished item rows, then prune them with ``manage.py
     fanout_prune`` in a subprocess while the claim loop drains a run beside it."""
     add_terminal_rows(cfg.retention_rows)
-    log_path = logdir / f"prune-{batch}.log"
+    log_path = logdir / f"prune-{batch}-{pause:g}.log"
     cmd = [sys.executable, "manage.py", "fanout_prune", "--older-than", "0s", "--batch", str(batch)]
-    cmd += ["--json"]
+    cmd += ["--pause", f"{pause:g}", "--json"]
     t0 = time.monotonic()
     proc = spawn(cmd, log_path)
     loops = []
@@ -2238,6 +2246,7 @@ def prune_beside(cfg: argparse.Namespace, batch: int, logdir: Path) -> dict[str,
     report = json.loads(log_path.read_text().strip().splitlines()[-1])
     return {
         "batch": batch,
+        "pause": pause,
         "rows": report["items"],
         "prune_s": seconds,
         "rows_per_s": report["items"] / seconds,
@@ -2252,8 +2261,9 @@ def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     reset_tables()
     out: dict[str, Any] = {"rows": cfg.retention_rows, "pruned": []}
     alone = [claim_loop(cfg.retention_alone)]
-    for batch in cfg.retention_batches:
-        beside = retry_db("retention", partial(prune_beside, cfg, batch, logdir))
+    tries = [(b, p) for b in cfg.retention_batches for p in cfg.retention_pauses]
+    for batch, pause in tries:
+        beside = retry_db("retention", partial(prune_beside, cfg, batch, pause, logdir))
         alone.append(claim_loop(cfg.retention_alone))
         base = claims_summary(alone[-2:])
         beside["p99_ratio"] = beside["p99_ms"] / base["p99_ms"]
@@ -2261,7 +2271,8 @@ def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         beside["alone"] = base
         out["pruned"].append(beside)
         log(
-            f"  batch {batch}: {beside['rows']:,} rows in {beside['prune_s']:.1f} s = "
+            f"  batch {batch}, pause {pause:g} s: {beside['rows']:,} rows in "
+            f"{beside['prune_s']:.1f} s = "
             f"{beside['rows_per_s']:,.0f} rows/s; beside it {beside['items_per_s']:,.0f} "
             f"items/s, claim p99 {beside['p99_ms']:.2f} ms; alone {base['items_per_s']:,.0f} "
             f"items/s, p99 {base['p99_ms']:.2f} ms (p99 x{beside['p99_ratio']:.2f}, "
@@ -2278,12 +2289,14 @@ def report_retention(res: dict[str, Any]) -> list[str]:
     lines = [
         f"9. fanout_prune of {rt['rows']:,} finished item rows beside a per-item run "
         "(one claimer), against the same run alone just before and after",
-        f"{'batch':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}{'claim p99 beside':>18}"
+        f"{'batch':>7}{'pause':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}"
+        f"{'claim p99 beside':>18}"
         f"{'alone':>8}{'p99 ratio':>11}{'slowdown':>10}",
     ]
     for v in rt["pruned"]:
         lines.append(
-            f"{v['batch']:>7,}{v['rows_per_s']:>10,.0f}{v['items_per_s']:>16,.0f}"
+            f"{v['batch']:>7,}{v.get('pause', 0):>6g}s{v['rows_per_s']:>10,.0f}"
+            f"{v['items_per_s']:>16,.0f}"
             f"{v['alone']['items_per_s']:>8,.0f}{v['p99_ms']:>16.2f}ms"
             f"{v['alone']['p99_ms']:>6.2f}ms{v['p99_ratio']:>11.2f}{v['throughput_ratio']:>10.2f}"
         )
@@ -2989,6 +3002,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fanout_prune --batch sizes the retention phase tries, one prune each "
         "(default 2000,500)",
     )
+    p.add_argument(
+        "--retention-pauses",
+        metavar="S,S",
+        default=None,
+        help="fanout_prune --pause seconds the retention phase tries with each batch size "
+        "(default 0,1)",
+    )
     p.add_argument("--child-materialize", type=int, help=argparse.SUPPRESS)
     cfg = p.parse_args(argv)
     quick = cfg.quick
@@ -3021,6 +3041,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cfg.chart_items = cfg.chart_items or (20_000 if quick else 1_000_000)
     cfg.retention_rows = cfg.retention_rows or (20_000 if quick else 1_000_000)
     cfg.retention_batches = sizes(cfg.retention_batches or "2000,500")
+    cfg.retention_pauses = [float(x) for x in (cfg.retention_pauses or "0,1").split(",")]
     cfg.retention_chunk = 100  # claims per loop beside the prune: it checks the prune between
     cfg.retention_alone = 200 if quick else 1000
     cfg.phases = [x.strip() for x in cfg.only.split(",") if x.strip()]
@@ -3067,6 +3088,8 @@ def mariadb_pass(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
         str(cfg.retention_rows),
         "--retention-batches",
         sizes(cfg.retention_batches),
+        "--retention-pauses",
+        ",".join(f"{x:g}" for x in cfg.retention_pauses),
         *(["--quick"] if cfg.quick else []),
     ]
     # The URL goes by the environment, where a password is not shown to other users.

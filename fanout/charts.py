@@ -1,75 +1,51 @@
 """The shape of a run and of a pool over time, from SQL aggregates of the rows.
 
-Every series has at most MAX_BUCKETS buckets, and each is one GROUP BY over a portable
-expression: a bucket is found by a CASE nested as a binary search over its edges (six
-comparisons for sixty buckets), so the same query runs on PostgreSQL, MariaDB and SQLite, and
-a page costs the same few queries for a run of a hundred items and of a million.
+Every series has at most MAX_BUCKETS buckets. A run's throughput, durations and attempts are
+summed from its samples (fanout.sample: the items that ended in each window) and one GROUP BY
+over the items no sample holds yet, so a page costs the same few queries, each reading a few
+hundred rows, for a run of a hundred items and of a million. A run without samples (run
+inline, or ended before its supervisor sampled it) is counted from its items instead, exactly.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import accumulate
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.core.cache import cache
-from django.db.models import (
-    Avg,
-    Case,
-    Count,
-    DurationField,
-    ExpressionWrapper,
-    F,
-    IntegerField,
-    Q,
-    QuerySet,
-    Value,
-    When,
-    Window,
-)
+from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, When, Window
 from django.db.models.functions import RowNumber
 
 from .backends import backend
-from .models import BatchRun, ItemClaim, ItemStatus, RunSample
+from .models import TERMINAL_ITEM_STATUSES, BatchRun, ItemClaim, ItemStatus, RunSample
 from .sample import WAITS
+from .tally import ATTEMPTS_SHOWN, DURATION_EDGES, Ended, bucket_of, ended, or_none, took
+
+__all__ = [
+    "ATTEMPTS_SHOWN",
+    "DURATION_EDGES",
+    "MAX_BUCKETS",
+    "PERCENTILES",
+    "PoolCharts",
+    "RunCharts",
+    "TimeAxis",
+    "cached_run_charts",
+    "pool_charts",
+    "run_axis",
+    "run_charts",
+]
 
 MAX_BUCKETS = 60
 # Steps a time axis is cut into, seconds: the smallest that gives at most MAX_BUCKETS buckets.
 STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
-# A handler's duration, on a fixed log scale so that runs compare: 1 ms to 1 day, 1-2-5.
-DURATION_EDGES = tuple(
-    timedelta(milliseconds=m * 10**e)
-    for e in range(8)
-    for m in (1, 2, 5)
-    if m * 10**e <= 86_400_000
-)
 PERCENTILES = (50, 95, 99)
 CHILDREN_SHOWN = 60
 CACHE_SECONDS = 3600
-ATTEMPTS_SHOWN = 10  # attempts above this are counted together
-
-
-def bucket_of(name: str, edges: list[Any] | tuple[Any, ...]) -> Any:
-    """An expression giving the index i of the bucket [edges[i-1], edges[i]) that ``name``
-    falls in: 0 below edges[0], len(edges) at or above the last edge."""
-    fast = backend().bucket(F(name), edges)
-    if fast is not None:
-        return fast
-
-    def search(lo: int, hi: int) -> Any:
-        if lo == hi:
-            return Value(lo)
-        mid = (lo + hi) // 2
-        return Case(
-            When(Q(**{f"{name}__lt": edges[mid]}), then=search(lo, mid)),
-            default=search(mid + 1, hi),
-            output_field=IntegerField(),
-        )
-
-    return search(0, len(edges))
 
 
 @dataclass
@@ -96,11 +72,9 @@ class TimeAxis:
     def times(self) -> list[datetime]:
         return [self.start + self.step * i for i in range(self.count)]
 
-
-def _durations(items: QuerySet[ItemClaim]) -> QuerySet[ItemClaim]:
-    return items.filter(started_at__isnull=False, finished_at__isnull=False).annotate(
-        took=ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
-    )
+    def bucket(self, at: datetime) -> int:
+        """The bucket ``at`` falls in, as bucket_of() finds it in SQL."""
+        return bisect.bisect_right(self.inner_edges(), at)
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -109,11 +83,11 @@ def _durations(items: QuerySet[ItemClaim]) -> QuerySet[ItemClaim]:
 @dataclass
 class RunCharts:
     axis: TimeAxis
-    # Items finished per bucket of the axis, and how many of them failed.
+    # Items ended per bucket of the axis, and how many of them failed.
     finished: list[int]
     failed: list[int]
-    # Handler durations (the last attempt of each finished item): counts per DURATION_EDGES
-    # bucket (len(DURATION_EDGES) + 1 of them), and the exact percentiles.
+    # Handler durations (the last attempt of each ended item): counts per DURATION_EDGES
+    # bucket (len(DURATION_EDGES) + 1 of them), and the nearest-rank percentiles.
     durations: list[int]
     percentiles: dict[int, timedelta]
     # Items by the attempt they ended at (started items only); the last key counts the rest.
@@ -123,10 +97,24 @@ class RunCharts:
     # Child runs (Item.spawn), first started first: at most CHILDREN_SHOWN, and how many.
     children: list[dict[str, Any]] = field(default_factory=list)
     more_children: bool = False
+    # False when the percentiles are read off the histogram (a sampled run): each lies in
+    # the right bucket, placed within it on the log scale.
+    exact: bool = True
 
     @property
     def seconds(self) -> float:
         return self.axis.step.total_seconds()
+
+
+class Sample(NamedTuple):
+    at: datetime
+    waits: tuple[int, ...]
+    upto: datetime | None
+    finished: int
+    failed: int
+    durations: list[int]
+    attempts: dict[str, int]
+    reopened: int
 
 
 def run_axis(run: BatchRun, now: datetime) -> TimeAxis:
@@ -136,74 +124,60 @@ def run_axis(run: BatchRun, now: datetime) -> TimeAxis:
 
 
 def run_charts(run: BatchRun, now: datetime) -> RunCharts:
-    """The run page's charts in four queries whatever the run's size: one pass over its
-    items, one over the few durations that the percentiles fall among, its samples, and its
-    child runs."""
+    """The run page's charts in three queries whatever the run's size: its samples, the
+    items that ended since the last of them, and its child runs. A run that no sample
+    counts yet reads its items instead, and one more query for the exact percentiles."""
     with backend().aggregating():
         return _run_charts(run, now)
 
 
 def _run_charts(run: BatchRun, now: datetime) -> RunCharts:
     axis = run_axis(run, now)
+    samples = _samples(run)
+    windows = [s for s in samples if s.upto is not None]
     items = ItemClaim.objects.filter(run_id=run.pk)
-    finished, failed = [0] * axis.count, [0] * axis.count
-    durations = [0] * (len(DURATION_EDGES) + 1)
-    attempts: Counter[int] = Counter()
-    for b, lost, d, a, n in _one_pass(items, axis):
-        if b >= 0:
-            finished[b] += n
-            failed[b] += n * lost
-        if d >= 0:
-            durations[d] += n
-        if a > 0:
-            attempts[a] += n
+    if windows and all(s.reopened == run.reopened for s in windows):
+        counts = _from_windows(axis, windows, items)
+        percentiles, exact = _estimated_percentiles(counts.durations), False
+    else:
+        counts = Ended.empty(axis.count).add(ended(items, axis.inner_edges()))
+        percentiles, exact = _percentiles(items, counts.durations), True
     return RunCharts(
         axis=axis,
-        finished=finished,
-        failed=failed,
-        durations=durations,
-        percentiles=_percentiles(items, durations),
-        attempts=dict(sorted(attempts.items())),
-        waits=_waits(run, axis),
+        finished=counts.finished,
+        failed=counts.failed,
+        durations=counts.durations,
+        percentiles=percentiles,
+        attempts=dict(sorted(counts.attempts.items())),
+        waits=_waits(axis, samples),
+        exact=exact,
         **_children(run),
     )
 
 
-def _or_none(when: Q, then: Any) -> Case:
-    """``then`` where ``when`` holds, else -1 (a row that this series does not count)."""
-    return Case(When(when, then=then), default=Value(-1), output_field=IntegerField())
+def _samples(run: BatchRun) -> list[Sample]:
+    rows = RunSample.objects.filter(run_id=run.pk).order_by("at")
+    columns = ("upto", "finished", "failed", "durations", "attempts", "reopened")
+    return [
+        Sample(r[0], r[1 : len(WAITS) + 1], *r[len(WAITS) + 1 :])
+        for r in rows.values_list("at", *WAITS, *columns)
+    ]
 
 
-def _one_pass(items: QuerySet[ItemClaim], axis: TimeAxis) -> list[tuple[int, int, int, int, int]]:
-    """Every started or finished item counted once, grouped by (its finish's bucket of the
-    axis, failed, its duration's bucket, its attempts): a few thousand groups at most, which
-    the caller sums into the throughput, the duration histogram and the attempts."""
-    finished = Q(finished_at__isnull=False)
-    started = Q(started_at__isnull=False)
-    capped = Case(
-        When(attempt__gt=ATTEMPTS_SHOWN, then=Value(ATTEMPTS_SHOWN)),
-        default=F("attempt"),
-        output_field=IntegerField(),
-    )
-    took = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
-    return list(
-        items.filter(started | finished)
-        .annotate(took=took)
-        .annotate(
-            b=_or_none(finished, bucket_of("finished_at", axis.inner_edges())),
-            lost=Case(
-                When(status=ItemStatus.FAILED, then=Value(1)),
-                default=Value(0),
-                output_field=IntegerField(),
-            ),
-            d=_or_none(started & finished, bucket_of("took", DURATION_EDGES)),
-            a=_or_none(started, capped),
-        )
-        .values("b", "lost", "d", "a")
-        .annotate(n=Count("pk"))
-        .order_by()
-        .values_list("b", "lost", "d", "a", "n")
-    )
+def _from_windows(axis: TimeAxis, windows: list[Sample], items: QuerySet[ItemClaim]) -> Ended:
+    """The windows' counts, each in the bucket of its middle, and the items that ended after
+    the last window, each in its own bucket."""
+    counts = Ended.empty(axis.count)
+    since = None
+    for w in windows:
+        assert w.upto is not None
+        b = axis.bucket(w.upto if since is None else since + (w.upto - since) / 2)
+        counts.finished[b] += w.finished
+        counts.failed[b] += w.failed
+        counts.durations = [x + y for x, y in zip(counts.durations, w.durations, strict=False)]
+        counts.attempts.update({int(a): n for a, n in w.attempts.items()})
+        since = w.upto
+    return counts.add(ended(items.filter(finished_at__gt=since), axis.inner_edges()))
 
 
 def cached_run_charts(run: BatchRun, now: datetime) -> RunCharts:
@@ -211,9 +185,10 @@ def cached_run_charts(run: BatchRun, now: datetime) -> RunCharts:
     Django's default cache (a retry reopens the run and ends it again: a new key)."""
     if not run.is_terminal or run.finished_at is None:
         return run_charts(run, now)
-    ended = run.finished_at.timestamp()
+    ended_at = run.finished_at.timestamp()
     key = (
-        f"fanout:run-charts:{run.pk}:{run.status}:{ended}:{run.reopened}:{run.item_counts is None}"
+        f"fanout:run-charts:{run.pk}:{run.status}:{ended_at}:{run.reopened}:"
+        f"{run.item_counts is None}"
     )
     charts = cache.get(key)
     if charts is None:
@@ -225,50 +200,64 @@ def cached_run_charts(run: BatchRun, now: datetime) -> RunCharts:
 def _percentiles(items: QuerySet[ItemClaim], histogram: list[int]) -> dict[int, timedelta]:
     """The nearest-rank percentiles, exact: the histogram says which bucket holds each rank,
     and one query numbers the durations of those buckets alone, in order."""
-    total = sum(histogram)
-    if not total:
+    if not sum(histogram):
         return {}
-    wanted: dict[int, tuple[int, int]] = {}  # percentile: (bucket, rank within it, 1-based)
-    for p in PERCENTILES:
-        rank = max(1, math.ceil(total * p / 100))
-        b, below = _bucket_of_rank(histogram, rank)
-        wanted[p] = (b, rank - below)
+    wanted = {p: _rank_in_bucket(histogram, p) for p in PERCENTILES}  # p: (bucket, rank in it)
     buckets = sorted({b for b, _ in wanted.values()})
     ranked = (
-        _durations(items)
+        items.filter(status__in=TERMINAL_ITEM_STATUSES)
+        .filter(started_at__isnull=False, finished_at__isnull=False)
+        .annotate(took=took())
         .annotate(d=bucket_of("took", DURATION_EDGES))
         .filter(d__in=buckets)
         .annotate(r=Window(RowNumber(), partition_by=[F("d")], order_by=[F("took").asc(), F("pk")]))
         .filter(r__in=sorted({r for _, r in wanted.values()}))
         .values_list("d", "r", "took")
     )
-    found = {(d, r): took for d, r, took in ranked}
+    found = {(d, r): duration for d, r, duration in ranked}
     return {p: found[where] for p, where in wanted.items()}
 
 
-def _bucket_of_rank(histogram: list[int], rank: int) -> tuple[int, int]:
-    """The bucket that holds the ``rank``-th smallest value, and how many lie below it."""
+def _estimated_percentiles(histogram: list[int]) -> dict[int, timedelta]:
+    """The nearest-rank percentiles read off the histogram: the rank's bucket is exact, its
+    place within the bucket is spread evenly on the log scale (linearly in the first)."""
+    if not sum(histogram):
+        return {}
+    found = {}
+    for p in PERCENTILES:
+        b, r = _rank_in_bucket(histogram, p)
+        if b == len(DURATION_EDGES):
+            found[p] = DURATION_EDGES[-1]
+            continue
+        hi, share = DURATION_EDGES[b], (r - 0.5) / histogram[b]
+        lo = DURATION_EDGES[b - 1] if b else None
+        found[p] = hi * share if lo is None else lo * (hi / lo) ** share
+    return found
+
+
+def _rank_in_bucket(histogram: list[int], p: int) -> tuple[int, int]:
+    """The bucket that holds the nearest-rank ``p``th percentile, and its rank there (1-based)."""
+    rank = max(1, math.ceil(sum(histogram) * p / 100))
     below = 0
     for b, n in enumerate(histogram):
         if below + n >= rank:
-            return b, below
+            return b, rank - below
         below += n
     raise ValueError(f"rank {rank} is past the histogram's {below} values")
 
 
-def _waits(run: BatchRun, axis: TimeAxis) -> dict[str, list[float | None]]:
+def _waits(axis: TimeAxis, samples: list[Sample]) -> dict[str, list[float | None]]:
+    """The mean of each wait over the samples taken in each bucket of the axis."""
+    sums: dict[int, list[int]] = {}
+    seen: Counter[int] = Counter()
+    for s in samples:
+        b = axis.bucket(s.at)
+        seen[b] += 1
+        sums[b] = [x + y for x, y in zip(sums.get(b, [0] * len(WAITS)), s.waits, strict=True)]
     waits: dict[str, list[float | None]] = {w: [None] * axis.count for w in WAITS}
-    rows = (
-        RunSample.objects.filter(run_id=run.pk)
-        .annotate(b=bucket_of("at", axis.inner_edges()))
-        .values("b")
-        .annotate(**{f"mean_{w}": Avg(w) for w in WAITS})
-        .order_by()
-    )
-    for row in rows:
-        for w in WAITS:
-            mean = row[f"mean_{w}"]
-            waits[w][row["b"]] = None if mean is None else float(mean)
+    for b, total in sums.items():
+        for w, value in zip(WAITS, total, strict=True):
+            waits[w][b] = value / seen[b]
     return waits
 
 
@@ -301,19 +290,36 @@ class PoolCharts:
 
 def pool_charts(name: str, now: datetime) -> PoolCharts:
     """The pool page's last hour in one pass over the items that were claimed in it or held
-    a slot in it, grouped by (the bucket of their claim, of their end, whether they held a
-    slot): admissions are the claims per bucket, and the items in flight at the end of a
-    bucket those claimed before it and not yet ended."""
+    a slot in it: admissions are the claims per bucket, and the items in flight at the end of
+    a bucket those claimed before it and not yet ended."""
     axis = TimeAxis.over(now - POOL_WINDOW, now)
-    edges = [axis.start, *axis.inner_edges()]  # bucket 0: before the hour; i + 1: bucket i
+    admitted = [0] * axis.count
+    claimed, ended_in = [0] * (axis.count + 1), [0] * (axis.count + 1)
+    for c, f, held, n in _pool_rows(name, axis, now):
+        if c > 0:
+            admitted[c - 1] += n
+        if held:  # a pending item, released or retried, holds no slot: not in flight
+            claimed[c] += n
+            if f >= 0:
+                ended_in[f] += n
+    # By the end of bucket i: claimed in buckets 0..i + 1, less ended in them.
+    started, stopped = list(accumulate(claimed)), list(accumulate(ended_in))
+    in_flight = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
+    return PoolCharts(axis, in_flight, admitted)
+
+
+def _pool_rows(name: str, axis: TimeAxis, now: datetime) -> list[tuple[int, int, int, int]]:
+    """The pool's items grouped by (the bucket of their claim, of their end, whether they held
+    a slot); bucket 0 is before the hour, i + 1 the axis's bucket i."""
+    edges = [axis.start, *axis.inner_edges()]
     running = Q(finished_at__isnull=True, status=ItemStatus.RUNNING)
     with backend().aggregating():
-        rows = list(
+        return list(
             ItemClaim.objects.filter(pool=name, claimed_at__lte=now)
             .filter(Q(claimed_at__gte=axis.start) | Q(finished_at__gte=axis.start) | running)
             .annotate(
                 c=bucket_of("claimed_at", edges),
-                f=_or_none(Q(finished_at__isnull=False), bucket_of("finished_at", edges)),
+                f=or_none(Q(finished_at__isnull=False), bucket_of("finished_at", edges)),
                 held=Case(
                     When(Q(finished_at__isnull=False) | running, then=Value(1)),
                     default=Value(0),
@@ -325,16 +331,3 @@ def pool_charts(name: str, now: datetime) -> PoolCharts:
             .order_by()
             .values_list("c", "f", "held", "n")
         )
-    admitted = [0] * axis.count
-    claimed, ended = [0] * (axis.count + 1), [0] * (axis.count + 1)
-    for c, f, held, n in rows:
-        if c > 0:
-            admitted[c - 1] += n
-        if held:  # a pending item, released or retried, holds no slot: not in flight
-            claimed[c] += n
-            if f >= 0:
-                ended[f] += n
-    # By the end of bucket i: claimed in buckets 0..i + 1, less ended in them.
-    started, stopped = list(accumulate(claimed)), list(accumulate(ended))
-    in_flight = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
-    return PoolCharts(axis, in_flight, admitted)

@@ -266,6 +266,8 @@ class ItemClaim(models.Model):
             models.Index(
                 fields=["pool", "status", "lease_expires_at"], name="fanout_item_pool_lease_idx"
             ),
+            # The items a run ended in a window of time: its samples and its charts' tail.
+            models.Index(fields=["run", "finished_at"], name="fanout_item_run_finished_idx"),
         ]
 
     def __str__(self) -> str:
@@ -322,6 +324,15 @@ class RunSample(models.Model):
     throttled = models.PositiveIntegerField(default=0)  # due, their pool backs off (Throttled)
     paused = models.PositiveIntegerField(default=0)  # due, their pool is paused or missing
     child_runs = models.PositiveIntegerField(default=0)  # handed to a child run (Item.spawn)
+    # The items that ended in a window of the run's life: (the previous sample's upto, upto].
+    # Summed, the samples give the run page's throughput, durations and attempts without
+    # reading the items; a sample of an older release has no window (upto is null).
+    upto = models.DateTimeField(null=True, blank=True)
+    finished = models.PositiveIntegerField(default=0)  # ended in the window
+    failed = models.PositiveIntegerField(default=0)  # of them, failed
+    durations = models.JSONField(default=list, blank=True)  # counts per charts.DURATION_EDGES
+    attempts = models.JSONField(default=dict, blank=True)  # {attempt it ended at: count}
+    reopened = models.PositiveIntegerField(default=0)  # the run's reopened count when taken
 
     class Meta:
         ordering = ["run_id", "at"]

@@ -10,6 +10,7 @@ cut off midway leaves the root with part of its tree; the next prune finishes it
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ from .nest import descendants
 # Rows of one kind deleted per transaction: short enough for the locks to be brief, long
 # enough for the commit to be a small part of it.
 BATCH_ROWS = 2000
+# Seconds fanout_prune rests after each full batch, by default: the database's time goes back
+# to the live runs beside it (bench/run.py's retention phase; docs/operating.md).
+PAUSE_SECONDS = 1.0
 # How long a pruner holds a tree it took (the supervisors' election).
 HOLD_SECONDS = 300.0
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -155,11 +159,16 @@ def take(root: int) -> bool:
 
 
 def prune_tree(
-    root: int, keep_runs: bool = False, batch: int = BATCH_ROWS, max_items: int | None = None
+    root: int,
+    keep_runs: bool = False,
+    batch: int = BATCH_ROWS,
+    max_items: int | None = None,
+    pause: float = 0.0,
 ) -> Pruned:
     """Delete a finished tree, leaves first; with ``keep_runs`` only the item rows go.
 
-    With ``max_items`` it may stop early, the root still there: the next prune goes on.
+    With ``max_items`` it may stop early, the root still there: the next prune goes on. With
+    ``pause`` it rests that many seconds after each full batch, outside any transaction.
     """
     pruned = Pruned(roots=[root])
     status = BatchRun.objects.filter(pk=root).values_list("status", flat=True).first()
@@ -168,22 +177,27 @@ def prune_tree(
         if keep_runs:
             _keep_counts(run_id)
         left = None if max_items is None else max_items - pruned.items
-        items, attempts, done = _delete_items(root, run_id, batch, keep_runs, left)
+        items, attempts, done = _delete_items(root, run_id, batch, keep_runs, left, pause)
         pruned.items += items
         pruned.attempts += attempts
         if not done:
             _let_go(root)
             return pruned
         if not keep_runs:
-            with transaction.atomic():
-                RunSample.objects.filter(run_id=run_id)._raw_delete(connection.alias)
-                pruned.runs += BatchRun.objects.filter(pk=run_id)._raw_delete(connection.alias)
+            pruned.runs += _delete_run(run_id)
     if keep_runs:
         pruned.runs = len(tree)
         _let_go(root)
     if status:
         pruned.by_status[status] += 1
     return pruned
+
+
+def _delete_run(run_id: int) -> int:
+    """Delete a run whose items are gone, with its samples."""
+    with transaction.atomic():
+        RunSample.objects.filter(run_id=run_id)._raw_delete(connection.alias)
+        return BatchRun.objects.filter(pk=run_id)._raw_delete(connection.alias)
 
 
 def _let_go(root: int) -> None:
@@ -213,15 +227,18 @@ def _still_finished(root: int) -> bool:
 
 
 def _delete_items(
-    root: int, run_id: int, batch: int, detach_children: bool, most: int | None
+    root: int, run_id: int, batch: int, detach_children: bool, most: int | None, pause: float
 ) -> tuple[int, int, bool]:
     """Delete a run's items and their attempts, ``batch`` items per transaction, ``most`` in
-    all; say how many, and whether none is left."""
+    all, resting ``pause`` seconds after each full batch; say how many, and whether none is
+    left."""
     items = attempts = 0
     while True:
         size = batch if most is None else min(batch, most - items)
         if size <= 0:
             return items, attempts, False
+        if items and items % batch == 0 and pause > 0:
+            time.sleep(pause)  # after a full batch's commit: no lock is held while resting
         with transaction.atomic():
             if not _still_finished(root):
                 return items, attempts, False
@@ -246,8 +263,10 @@ def prune(
     keep_runs: bool = False,
     max_items: int | None = None,
     batch: int = BATCH_ROWS,
+    pause: float = 0.0,
 ) -> Pruned:
-    """Prune every finished tree older than ``older_than``; stop after ``max_items`` items."""
+    """Prune every finished tree older than ``older_than``; stop after ``max_items`` items;
+    rest ``pause`` seconds after each full batch of items."""
     total = Pruned()
     for root in roots(older_than, statuses, definition, keep_runs):
         left = None if max_items is None else max_items - total.items
@@ -256,7 +275,7 @@ def prune(
         if dry_run:
             total.add(measure(root))
         elif take(root):
-            total.add(prune_tree(root, keep_runs, batch, left))
+            total.add(prune_tree(root, keep_runs, batch, left, pause))
         else:
             total.held.append(root)
     return total

@@ -4,18 +4,25 @@ The item rows say why an item waits only now; a RunSample keeps that answer for 
 the run's life. The supervisor that tends a running run writes one at most every
 FANOUT_SAMPLE_SECONDS (the fleet's election makes it one supervisor per run per period), so a
 run of any size gets a few rows a minute, and its samples go when its row is pruned.
+
+Each sample also counts the items that ended in its window, (the previous sample's upto,
+upto], with upto SAMPLE_SECONDS behind the sample so that outcomes written late (batched, or
+from a host behind the database) are in: summed, the samples draw the run's throughput,
+durations and attempts without reading its items.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Count, Q
 
 from .clock import db_now
 from .conf import conf
 from .models import BatchRun, ItemClaim, ItemStatus, RunSample, RunStatus
-from .waiting import pool_states
+from .tally import Ended, ended
+from .waiting import PoolState, pool_states
 
 # The columns of a sample, in the order the chart stacks them.
 WAITS = (
@@ -36,16 +43,48 @@ def sample_run(run: BatchRun, now: datetime | None = None) -> RunSample | None:
     if run.status != RunStatus.RUNNING:
         return None
     now = now or db_now()
-    recent = now - timedelta(seconds=float(conf.SAMPLE_SECONDS))
-    if RunSample.objects.filter(run_id=run.pk, at__gt=recent).exists():
+    period = timedelta(seconds=float(conf.SAMPLE_SECONDS))
+    last = RunSample.objects.filter(run_id=run.pk).order_by("-at").values_list("at", "upto")
+    previous = last.first()
+    if previous is not None and previous[0] > now - period:
         return None
     sample = measure(run, now)
+    tally(sample, run, previous[1] if previous else None, now - period)
     sample.save()
     return sample
 
 
+def tally(sample: RunSample, run: BatchRun, since: datetime | None, upto: datetime) -> None:
+    """Count the run's items that ended in (since, upto] into ``sample``: one query over the
+    (run, finished_at) index, so a sample costs the same at any size of run."""
+    items = ItemClaim.objects.filter(run_id=run.pk, finished_at__lte=upto)
+    if since is not None:
+        items = items.filter(finished_at__gt=since)
+    counts = Ended.empty().add(ended(items))
+    sample.upto, sample.reopened = upto, run.reopened
+    sample.finished, sample.failed = counts.finished[0], counts.failed[0]
+    sample.durations = counts.durations
+    sample.attempts = {str(a): n for a, n in sorted(counts.attempts.items())}
+
+
 def measure(run: BatchRun, now: datetime) -> RunSample:
     """What the run's unfinished items are doing at ``now``, in two queries (and the pools')."""
+    by_pool = _unfinished_by_pool(run, now)
+    states = pool_states(list(by_pool), now)
+    sample = RunSample(run_id=run.pk, at=now)
+    # What holds the run's slots: a claimable item beyond them waits for max_parallel.
+    held = sum(r["running"] + r["children"] for r in by_pool.values())
+    at_limit = held >= run.max_parallel
+    for name, r in by_pool.items():
+        sample.running += r["running"]
+        sample.retry_due += r["later"]
+        sample.child_runs += r["children"]
+        field = _waits_on(states.get(name), at_limit)
+        setattr(sample, field, getattr(sample, field) + r["due"])
+    return sample
+
+
+def _unfinished_by_pool(run: BatchRun, now: datetime) -> dict[str, dict[str, Any]]:
     due = Q(status=ItemStatus.PENDING, next_attempt_at__lte=now) | Q(
         status=ItemStatus.RUNNING, lease_expires_at__lte=now
     )
@@ -61,27 +100,18 @@ def measure(run: BatchRun, now: datetime) -> RunSample:
         )
         .order_by()
     )
-    by_pool = {r["pool"]: r for r in rows}
-    states = pool_states(list(by_pool), now)
-    sample = RunSample(run_id=run.pk, at=now)
-    # What holds the run's slots: a claimable item beyond them waits for max_parallel.
-    held = sum(r["running"] + r["children"] for r in by_pool.values())
-    at_limit = held >= run.max_parallel
-    for name, r in by_pool.items():
-        sample.running += r["running"]
-        sample.retry_due += r["later"]
-        sample.child_runs += r["children"]
-        state = states.get(name)
-        reason = state.reason if state is not None else ""
-        if not reason:
-            field = "max_parallel" if at_limit else "ready"
-        elif reason in ("pool missing", "pool paused"):
-            field = "paused"
-        elif reason.startswith("pool full"):
-            field = "pool_full"
-        elif reason.startswith("throttled"):
-            field = "throttled"
-        else:
-            field = "rate_limited"
-        setattr(sample, field, getattr(sample, field) + r["due"])
-    return sample
+    return {r["pool"]: dict(r) for r in rows}
+
+
+def _waits_on(state: PoolState | None, at_limit: bool) -> str:
+    """The sample's column for a pool's due items."""
+    reason = state.reason if state is not None else ""
+    if not reason:
+        return "max_parallel" if at_limit else "ready"
+    if reason in ("pool missing", "pool paused"):
+        return "paused"
+    if reason.startswith("pool full"):
+        return "pool_full"
+    if reason.startswith("throttled"):
+        return "throttled"
+    return "rate_limited"

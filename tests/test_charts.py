@@ -36,14 +36,18 @@ from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunSamp
 from fanout.prune import prune_tree
 from fanout.sample import WAITS, measure, sample_run
 from fanout.supervise import tend
+from fanout.tally import ended
 
 pytestmark = pytest.mark.django_db
 
-# What run_charts costs: one pass over the items (throughput, durations, attempts), one over
-# the durations the percentiles fall among, the wait samples and the child runs.
-# On PostgreSQL one statement more plans them (fanout.backends: no JIT, hash aggregates).
+# What run_charts costs for a run that no sample counts: its samples (waits), one pass over
+# the items (throughput, durations, attempts), one over the durations the percentiles fall
+# among, and the child runs. A sampled run: its samples, the items that ended after the last
+# one, and the child runs. On PostgreSQL one statement more plans them (fanout.backends: no
+# JIT, hash aggregates).
 PLAN = 1 if connection.vendor == "postgresql" else 0
 RUN_CHART_QUERIES = 4 + PLAN
+SAMPLED_RUN_CHART_QUERIES = 3 + PLAN
 POOL_CHART_QUERIES = 1 + PLAN
 
 
@@ -404,3 +408,134 @@ def test_the_run_page_and_the_pool_page_draw_their_charts(admin_client: Any) -> 
     pool_html = pool_page.content.decode()
     assert 'data-chart="pool-in-flight"' in pool_html and 'data-chart="pool-admitted"' in pool_html
     assert "fanout-chart-limit" in pool_html  # max_concurrency drawn as a line
+
+
+def ended_at_odd_times(run: BatchRun, n: int, seed: int = 5) -> list[ItemClaim]:
+    """finished_items, none of them ending on a whole 10 s (the axis's and windows' edges)."""
+    items = finished_items(run, n, seed)
+    for item in items:
+        assert item.finished_at
+        if item.finished_at.microsecond == 0 and item.finished_at.second % 10 == 0:
+            item.finished_at += timedelta(milliseconds=3)
+            item.save(update_fields=["finished_at"])
+    return items
+
+
+def sample_every_10s(run: BatchRun, settings: Any, until: datetime) -> list[RunSample]:
+    """The supervisor's samples of a run, every 10 s of its life from 10 s after its start."""
+    settings.FANOUT_SAMPLE_SECONDS = 10
+    assert run.started_at
+    status, run.status = run.status, RunStatus.RUNNING
+    taken, at = [], run.started_at + timedelta(seconds=10)
+    while at <= until:
+        taken.append(sample_run(run, at))
+        at += timedelta(seconds=10)
+    run.status = status
+    assert all(taken)
+    return [t for t in taken if t is not None]
+
+
+def test_a_sample_counts_each_item_that_ended_in_its_window_once(settings: Any) -> None:
+    run = new_run(minutes=3)
+    assert run.started_at
+    items = ended_at_odd_times(run, 300)
+    now = run.started_at + timedelta(minutes=3)
+    # Not ended: running, and waiting for a retry (its last attempt's end is written).
+    ItemClaim.objects.create(run=run, key="r", index=900, status=ItemStatus.RUNNING)
+    ItemClaim.objects.create(
+        run=run, key="p", index=901, status=ItemStatus.PENDING, attempt=2, finished_at=now
+    )
+
+    samples = sample_every_10s(run, settings, now)
+
+    since = None
+    for sample in samples:
+        assert sample.upto == sample.at - timedelta(seconds=10)
+        inside = [
+            i
+            for i in items
+            if (since is None or i.finished_at > since) and i.finished_at <= sample.upto
+        ]
+        assert sample.finished == len(inside)
+        assert sample.failed == sum(i.status == ItemStatus.FAILED for i in inside)
+        took = Counter(
+            bisect.bisect_right(DURATION_EDGES, i.finished_at - i.started_at) for i in inside
+        )
+        assert sample.durations == [took[b] for b in range(len(DURATION_EDGES) + 1)]
+        attempts = Counter(str(min(i.attempt, ATTEMPTS_SHOWN)) for i in inside)
+        assert sample.attempts == dict(sorted(attempts.items()))
+        since = sample.upto
+    assert sum(s.finished for s in samples) == len([i for i in items if i.finished_at <= since])
+
+
+def test_a_sampled_runs_charts_match_its_rows_without_reading_the_items_its_samples_hold(
+    settings: Any, django_assert_num_queries: Any
+) -> None:
+    run = new_run(minutes=10)
+    items = ended_at_odd_times(run, 900)
+    assert run.finished_at
+    # The supervisor samples it to 30 s before its end: its last items are no sample's.
+    samples = sample_every_10s(run, settings, run.finished_at - timedelta(seconds=20))
+    now = timezone.now()
+    # The same run, counted from its items: as if no sample had a window.
+    RunSample.objects.filter(run=run).update(upto=None)
+    scanned = run_charts(run, now)
+    RunSample.objects.bulk_update(samples, ["upto"])
+    assert scanned.exact
+    # What the samples hold is no longer read from the items: take those items away.
+    last = samples[-1].upto
+    assert last is not None
+    late = [i for i in items if i.finished_at > last]
+    assert 0 < len(late) < len(items) // 10
+    ItemClaim.objects.filter(run=run, finished_at__lte=last).delete()
+
+    with django_assert_num_queries(SAMPLED_RUN_CHART_QUERIES):
+        charts = run_charts(run, now)
+
+    assert not charts.exact
+    assert charts.finished == scanned.finished and sum(charts.finished) == len(items)
+    assert charts.failed == scanned.failed
+    assert charts.durations == scanned.durations
+    assert charts.attempts == scanned.attempts
+    assert charts.waits == scanned.waits
+    # Each percentile read off the histogram lies in the bucket of the exact one.
+    for p in PERCENTILES:
+        assert bisect.bisect_right(DURATION_EDGES, charts.percentiles[p]) == bisect.bisect_right(
+            DURATION_EDGES, scanned.percentiles[p]
+        ), p
+
+
+def test_a_reopened_runs_samples_are_not_summed_its_items_are(settings: Any) -> None:
+    run = new_run(minutes=5)
+    items = ended_at_odd_times(run, 200)
+    assert run.finished_at
+    sample_every_10s(run, settings, run.finished_at)
+    failed = [i for i in items if i.status == ItemStatus.FAILED]
+    # A retry of the failed items: they run again and succeed, the run ends once more.
+    ItemClaim.objects.filter(pk__in=[i.pk for i in failed]).update(status=ItemStatus.SUCCEEDED)
+    run.reopened += 1
+
+    charts = run_charts(run, timezone.now())
+
+    assert charts.exact and sum(charts.failed) == 0 and sum(charts.finished) == len(items)
+
+
+def test_ended_counts_only_items_with_an_outcome() -> None:
+    run = new_run(minutes=1)
+    ItemClaim.objects.bulk_create(
+        [
+            ItemClaim(
+                run=run, key="ok", index=0, status=ItemStatus.SUCCEEDED, finished_at=run.finished_at
+            ),
+            ItemClaim(
+                run=run,
+                key="retry",
+                index=1,
+                status=ItemStatus.PENDING,
+                finished_at=run.finished_at,
+            ),
+            ItemClaim(run=run, key="run", index=2, status=ItemStatus.RUNNING),
+        ]
+    )
+
+    assert ended(ItemClaim.objects.filter(run=run)) == [(0, 0, -1, -1, 1)]

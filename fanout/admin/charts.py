@@ -96,8 +96,11 @@ def _durations(c: RunCharts) -> dict[str, Any]:
     counts = c.durations[lo:hi]
     ticks = [(i - lo, edges[i - 1]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 or i == lo + 1]
     series = [svg.Series("items", "duration", counts)]
+    about = "" if c.exact else "≈ "  # read off a sampled run's histogram
     figures = ", ".join(
-        f"p{p} {precise_duration(c.percentiles[p])}" for p in PERCENTILES if p in c.percentiles
+        f"p{p} {about}{precise_duration(c.percentiles[p])}"
+        for p in PERCENTILES
+        if p in c.percentiles
     )
     return {
         "name": "durations",

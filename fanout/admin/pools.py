@@ -15,7 +15,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus
+from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, SpendAccount
 from ..pools import settings_drift
 from ..text import plural
 from ..waiting import pool_state
@@ -29,6 +29,7 @@ from .common import (
     items_url,
     time_field,
 )
+from .spend import budget_bars
 
 RUNS_SHOWN = 20
 
@@ -197,6 +198,7 @@ class CapacityPoolAdmin(FanoutAdmin):
             "pause_url": reverse("admin:fanout_capacitypool_pause", args=[pool.pk]),
             "pool_runs": pool_runs(pool.name),
             "charts": pool_panels(pool, now),
+            "budget_bars": budget_bars(SpendAccount.objects.filter(pool=pool.name), now),
         }
 
     def save_model(self, request: HttpRequest, obj: CapacityPool, form: Any, change: bool) -> None:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from .. import recover
+from .. import compensate, recover
 from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
@@ -32,6 +32,7 @@ from ..report import (
     tree_report,
 )
 from ..text import human_duration, human_rate, plural
+from ..waiting import PoolState
 from .charts import run_panels
 from .common import (
     CANCELLABLE_RUNS,
@@ -52,6 +53,7 @@ from .common import (
     wrapped,
 )
 from .filters import HELD
+from .spend import run_spend
 
 ACTIVE_RUN_STATUSES = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
 POLL_MILLISECONDS = 2000
@@ -370,21 +372,11 @@ class BatchRunAdmin(FanoutAdmin):
 
     def summary(self, request: HttpRequest, run: BatchRun) -> dict[str, Any]:
         """Everything the run's page shows above its fields, in a handful of queries."""
-        progress_by_run, states = progress_of([run], timezone.now())
+        now = timezone.now()
+        progress_by_run, states = progress_of([run], now)
         progress = progress_by_run[run.pk]
         counts = progress.by_segment
-        pools = []
-        for name, n in sorted(progress.pool_items.items()):
-            state = states[name]
-            limit = state.pool.max_concurrency if state.pool else 0
-            pools.append(
-                {
-                    "state": state,
-                    "items": n,
-                    "url": self._pool_url(state.pool),
-                    "gauge": gauge(state.in_flight, limit, f"{state.in_flight} / {limit}"),
-                }
-            )
+        buttons = self._buttons(request, run, counts["failed"])
         return {
             "run": run,
             "progress": progress,
@@ -393,43 +385,30 @@ class BatchRunAdmin(FanoutAdmin):
             "rate": human_rate(progress.rate()),
             "duration": human_duration(run.duration),
             "active": run.status in ACTIVE_RUN_STATUSES,
-            "poll_url": reverse("admin:fanout_batchrun_progress", args=[run.pk]),
-            "poll_ms": POLL_MILLISECONDS,
-            "items_url": items_url(run=run.pk),
-            "legend": [
-                {
-                    "status": s,
-                    "n": counts[s],
-                    "url": items_url(run=run.pk, status=HELD if s == WAITING else s),
-                }
-                for s in SEGMENTS
-                if s in counts
-            ],
+            "legend": _legend(run, counts),
             "join_result_json": json.dumps(run.join_result, indent=2),
             "counter_drift": counter_drift_display(self, run) if run.counter_drift else "",
             "lost": workers_lost(run),
             "failed_why": why_it_failed(run, progress),
-            "failures": [
-                {
-                    "group": g,
-                    "error": short_error(g.example.error) if g.example else "",
-                    "url": items_url(run=run.pk, status="failed", error_class=g.error_class)
-                    if g.error_class
-                    else items_url(run=run.pk, status="failed"),
-                }
-                for g in failure_groups(run.pk)
+            "failures": _failures(run),
+            "pools": [
+                self._pool_row(states[name], n) for name, n in sorted(progress.pool_items.items())
             ],
-            "pools": pools,
-            "charts": run_panels(run, timezone.now()),
-            "buttons": (buttons := self._buttons(request, run, counts["failed"])),
+            "spend": run_spend(run, now),
+            "charts": run_panels(run, now),
+            "buttons": buttons,
             "retry_note": self._retry_note(run) if buttons and _offers_retry(buttons) else "",
-            **dict(
-                zip(
-                    ("action_url", "action_field"),
-                    page_action_form(reverse("admin:fanout_batchrun_changelist")),
-                    strict=True,
-                )
-            ),
+            **_page_links(run),
+        }
+
+    def _pool_row(self, state: PoolState, n: int) -> dict[str, Any]:
+        """A row of the Pools panel: the pool's state, this run's items in it, its gauge."""
+        limit = state.pool.max_concurrency if state.pool else 0
+        return {
+            "state": state,
+            "items": n,
+            "url": self._pool_url(state.pool),
+            "gauge": gauge(state.in_flight, limit, f"{state.in_flight} / {limit}"),
         }
 
     def _buttons(self, request: HttpRequest, run: BatchRun, failed: int) -> list[tuple]:
@@ -535,10 +514,8 @@ class BatchRunAdmin(FanoutAdmin):
     def retry_failed_compensations(
         self, request: HttpRequest, queryset: QuerySet[BatchRun]
     ) -> None:
-        from ..compensate import retry_failed_compensations
-
         runs = list(queryset.filter(status=RunStatus.COMPENSATION_FAILED))
-        count = sum(retry_failed_compensations(run) for run in runs)
+        count = sum(compensate.retry_failed_compensations(run) for run in runs)
         if runs:
             redispatch(self, request, runs)
         self.message_user(
@@ -553,6 +530,45 @@ class BatchRunAdmin(FanoutAdmin):
         if not runs:
             self.message_user(request, "No running run selected.", messages.WARNING)
         redispatch(self, request, runs)
+
+
+def _page_links(run: BatchRun) -> dict[str, Any]:
+    """Where the run page polls its progress, lists its items and posts its buttons."""
+    action_url, action_field = page_action_form(reverse("admin:fanout_batchrun_changelist"))
+    return {
+        "poll_url": reverse("admin:fanout_batchrun_progress", args=[run.pk]),
+        "poll_ms": POLL_MILLISECONDS,
+        "items_url": items_url(run=run.pk),
+        "action_url": action_url,
+        "action_field": action_field,
+    }
+
+
+def _legend(run: BatchRun, counts: dict[str, int]) -> list[dict[str, Any]]:
+    """The progress bar's legend: each segment's count, linked to its items."""
+    return [
+        {
+            "status": s,
+            "n": counts[s],
+            "url": items_url(run=run.pk, status=HELD if s == WAITING else s),
+        }
+        for s in SEGMENTS
+        if s in counts
+    ]
+
+
+def _failures(run: BatchRun) -> list[dict[str, Any]]:
+    """The run's failed items by error class, each linked to its items, with an example."""
+    return [
+        {
+            "group": g,
+            "error": short_error(g.example.error) if g.example else "",
+            "url": items_url(run=run.pk, status="failed", error_class=g.error_class)
+            if g.error_class
+            else items_url(run=run.pk, status="failed"),
+        }
+        for g in failure_groups(run.pk)
+    ]
 
 
 def workers_lost(run: BatchRun) -> str:

@@ -33,6 +33,48 @@ def number(value: float) -> str:
     return f"{value:.2g}"
 
 
+_LINE = '<line class="fanout-chart-{}" x1="{}" y1="{}" x2="{}" y2="{}"/>'
+_TEXT = '<text class="fanout-chart-label" x="{}" y="{}" text-anchor="{}">{}</text>'
+_RECT = (
+    '<rect class="fanout-chart-{}" x="{}" y="{}" width="{}" height="{}">'
+    "<title>{}: {}{}</title></rect>"
+)
+PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+
+def _svg(label: str, height: int, *parts: str, fit: bool = True) -> SafeString:
+    return format_html(
+        '<svg class="fanout-chart" viewBox="0 0 {} {}" role="img" aria-label="{}"{}>{}</svg>',
+        WIDTH,
+        height,
+        label,
+        mark_safe(' preserveAspectRatio="xMidYMid meet"' if fit else ""),
+        mark_safe("".join(parts)),
+    )
+
+
+def _across(css: str, y: float | str) -> SafeString:
+    """A line across the plot at height ``y``: the x axis, a grid line."""
+    return format_html(_LINE, css, LEFT, y, WIDTH - RIGHT, y)
+
+
+def _x_labels(ticks: Sequence[tuple[float, str]], slots: int, height: int) -> SafeString:
+    """Labels under some x slots: the first starts there, the last ends there."""
+    return format_html_join(
+        "",
+        _TEXT,
+        (
+            (
+                f"{LEFT + PLOT_W * i / max(slots, 1):.1f}",
+                height - 5,
+                "start" if i == 0 else ("end" if i >= slots else "middle"),
+                text,
+            )
+            for i, text in ticks
+        ),
+    )
+
+
 def _frame(
     body: str,
     label: str,
@@ -43,56 +85,36 @@ def _frame(
     height: int = HEIGHT,
 ) -> SafeString:
     """The axes around ``body``: the y axis's top value, and labels under some x slots."""
-    plot_w = WIDTH - LEFT - RIGHT
     bottom = height - BOTTOM
-    parts = [
-        format_html(
-            '<line class="fanout-chart-axis" x1="{}" y1="{}" x2="{}" y2="{}"/>',
-            LEFT,
-            bottom,
-            WIDTH - RIGHT,
-            bottom,
-        ),
-        format_html(
-            '<line class="fanout-chart-grid" x1="{}" y1="{}" x2="{}" y2="{}"/>',
-            LEFT,
-            TOP,
-            WIDTH - RIGHT,
-            TOP,
-        ),
-        format_html(
-            '<text class="fanout-chart-label" x="{}" y="{}" text-anchor="end">{}</text>',
-            LEFT - 4,
-            TOP + 10,
-            f"{number(ymax)}{unit}",
-        ),
-        format_html(
-            '<text class="fanout-chart-label" x="{}" y="{}" text-anchor="end">0</text>',
-            LEFT - 4,
-            bottom,
-        ),
-    ]
-    for i, text in ticks:
-        x = LEFT + plot_w * i / max(slots, 1)
-        anchor = "start" if i == 0 else ("end" if i >= slots else "middle")
-        parts.append(
-            format_html(
-                '<text class="fanout-chart-label" x="{}" y="{}" text-anchor="{}">{}</text>',
-                f"{x:.1f}",
-                height - 5,
-                anchor,
-                text,
-            )
-        )
-    return format_html(
-        '<svg class="fanout-chart" viewBox="0 0 {} {}" role="img" aria-label="{}" '
-        'preserveAspectRatio="xMidYMid meet">{}{}</svg>',
-        WIDTH,
-        height,
+    return _svg(
         label,
-        mark_safe(body),
-        mark_safe("".join(parts)),
+        height,
+        body,
+        _across("axis", bottom),
+        _across("grid", TOP),
+        format_html(_TEXT, LEFT - 4, TOP + 10, "end", f"{number(ymax)}{unit}"),
+        format_html(_TEXT, LEFT - 4, bottom, "end", "0"),
+        _x_labels(ticks, slots, height),
     )
+
+
+@dataclass
+class _Scale:
+    """Where a bar chart's values land: ``slots`` bars side by side, ``ymax`` at the top."""
+
+    slots: int
+    ymax: float
+
+    @property
+    def slot_w(self) -> float:
+        return PLOT_W / max(self.slots, 1)
+
+    @property
+    def gap(self) -> float:
+        return min(1.0, self.slot_w * 0.15)
+
+    def y(self, value: float) -> float:
+        return TOP + PLOT_H - PLOT_H * value / self.ymax
 
 
 def bars(
@@ -106,49 +128,47 @@ def bars(
     """Bars stacked in the order of ``series``, one slot per value; ``limit`` draws a line."""
     slots = max((len(s.values) for s in series), default=0)
     totals = [sum(s.values[i] or 0 for s in series) for i in range(slots)]
-    ymax = max([*totals, limit or 0, 0]) or 1
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
-    slot_w = plot_w / max(slots, 1)
-    gap = min(1.0, slot_w * 0.15)
-    rects = []
-    for i in range(slots):
-        base = 0.0
-        for s in series:
-            v = s.values[i] or 0
-            if v <= 0:
-                continue
-            h = plot_h * v / ymax
-            y = TOP + plot_h - plot_h * (base + v) / ymax
-            where = f" {slot_names[i]}" if i < len(slot_names) else ""
-            rects.append(
-                format_html(
-                    '<rect class="fanout-chart-{}" x="{}" y="{}" width="{}" height="{}">'
-                    "<title>{}: {}{}</title></rect>",
-                    s.css,
-                    f"{LEFT + i * slot_w + gap / 2:.2f}",
-                    f"{y:.2f}",
-                    f"{max(slot_w - gap, 0.5):.2f}",
-                    f"{max(h, 0.5):.2f}",
-                    s.name,
-                    number(v),
-                    where,
-                )
-            )
-            base += v
+    scale = _Scale(slots, max([*totals, limit or 0, 0]) or 1)
+    names = [f" {n}" for n in slot_names] + [""] * slots
+    rects = [r for i in range(slots) for r in _stack(series, i, scale, names[i])]
     if limit is not None:
-        y = TOP + plot_h - plot_h * limit / ymax
         rects.append(
             format_html(
                 '<line class="fanout-chart-limit" x1="{}" y1="{}" x2="{}" y2="{}">'
                 "<title>limit: {}</title></line>",
                 LEFT,
-                f"{y:.2f}",
+                f"{scale.y(limit):.2f}",
                 WIDTH - RIGHT,
-                f"{y:.2f}",
+                f"{scale.y(limit):.2f}",
                 number(limit),
             )
         )
-    return _frame("".join(rects), label, ymax, unit, ticks, slots)
+    return _frame("".join(rects), label, scale.ymax, unit, ticks, slots)
+
+
+def _stack(series: Sequence[Series], i: int, scale: _Scale, where: str) -> list[str]:
+    """Slot ``i``'s bars, each series's value on top of the ones before it."""
+    rects: list[str] = []
+    base = 0.0
+    for s in series:
+        v = s.values[i] or 0
+        if v <= 0:
+            continue
+        rects.append(
+            format_html(
+                _RECT,
+                s.css,
+                f"{LEFT + i * scale.slot_w + scale.gap / 2:.2f}",
+                f"{scale.y(base + v):.2f}",
+                f"{max(scale.slot_w - scale.gap, 0.5):.2f}",
+                f"{max(PLOT_H * v / scale.ymax, 0.5):.2f}",
+                s.name,
+                number(v),
+                where,
+            )
+        )
+        base += v
+    return rects
 
 
 @dataclass
@@ -189,37 +209,8 @@ def spans(
 def _frame_spans(
     body: str, label: str, ticks: Sequence[tuple[float, str]], slots: int, height: int
 ) -> SafeString:
-    plot_w = WIDTH - LEFT - RIGHT
-    bottom = height - BOTTOM
-    labels = format_html_join(
-        "",
-        '<text class="fanout-chart-label" x="{}" y="{}" text-anchor="{}">{}</text>',
-        (
-            (
-                f"{LEFT + plot_w * i / max(slots, 1):.1f}",
-                height - 5,
-                "start" if i == 0 else ("end" if i >= slots else "middle"),
-                text,
-            )
-            for i, text in ticks
-        ),
-    )
-    axis = format_html(
-        '<line class="fanout-chart-axis" x1="{}" y1="{}" x2="{}" y2="{}"/>',
-        LEFT,
-        bottom,
-        WIDTH - RIGHT,
-        bottom,
-    )
-    return format_html(
-        '<svg class="fanout-chart" viewBox="0 0 {} {}" role="img" aria-label="{}">{}{}{}</svg>',
-        WIDTH,
-        height,
-        label,
-        mark_safe(body),
-        axis,
-        labels,
-    )
+    axis = _across("axis", height - BOTTOM)
+    return _svg(label, height, body, axis, _x_labels(ticks, slots, height), fit=False)
 
 
 def legend(series: Sequence[Series]) -> SafeString:

@@ -662,6 +662,10 @@ def test_a_runs_charts_and_a_pools_last_hour_are_drawn_whole_at_a_laptops_and_a_
             "p99"
         )
         assert charts_fit(page) == [], "chart parts past the screen's edge"
+        # The panels above the charts fit too (the Pools table with its gauges included):
+        # the run page does not scroll sideways.
+        expect(page.locator(".fanout-pools td")).to_have_count(4)
+        assert_fits(page, ".fanout-panels td")
         charts.screenshot(path=str(SCREENSHOTS / f"run-charts-{width}.png"))
 
         page.goto(f"{admin}/capacitypool/{pool.pk}/change/")
@@ -671,3 +675,50 @@ def test_a_runs_charts_and_a_pools_last_hour_are_drawn_whole_at_a_laptops_and_a_
         assert charts_fit(page) == [], "chart parts past the screen's edge"
         assert_fits(page, ".fanout-chart-panel")
         pool_charts.screenshot(path=str(SCREENSHOTS / f"pool-charts-{width}.png"))
+
+
+def spending_runs() -> dict[str, Any]:
+    """Runs and pools with budgets: one nearly spent, one full, a token budget, a pool's."""
+    from fanout.models import SpendAccount
+
+    sweep = make_run(
+        {"succeeded": 180, "running": 6, "pending": 30},
+        pool="openai",
+        run_key="llm-sweep:2026-11-29:gpt-x-prompts",
+    )
+    full = make_run({"succeeded": 40, "pending": 12}, run_key="embeddings:docs-2026-11")
+    CapacityPool.objects.create(name="openai", max_concurrency=8, rate_count=500, rate_period=60)
+    CapacityPool.objects.create(name="anthropic", max_concurrency=4, rate_count=50)
+    SpendAccount.objects.create(run=sweep, unit="usd", budget=50, spent=49.8, reserved=0.6)
+    SpendAccount.objects.create(run=full, unit="usd", budget=20, spent=20)
+    SpendAccount.objects.create(
+        pool="openai", unit="tokens", budget=900_000, spent=612_400, reserved=24_000, period=86400
+    )
+    SpendAccount.objects.create(pool="anthropic", unit="usd", budget=200, spent=35.5)
+    return {"sweep": sweep, "pool": CapacityPool.objects.get(name="openai")}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_budgets_page_draws_every_budget_bar_within_a_laptops_screen(
+    live_server, django_user_model
+):
+    from playwright.sync_api import expect
+
+    ensure_chromium()
+    expect.set_options(timeout=15_000)
+    django_user_model.objects.create_superuser("operator", "op@example.com", PASSWORD)
+    made = spending_runs()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+
+    with chromium_page(WIDTH, height=600) as page:
+        log_in(page, live_server.url, "/admin/fanout/spendaccount/")
+        expect(page.locator("#result_list .fanout-budget meter")).to_have_count(4)
+        expect(page.locator("#result_list")).to_contain_text("$50.40 of $50.00")
+        assert_fits(page, "#result_list td")
+        page.screenshot(path=str(SCREENSHOTS / f"budgets-{WIDTH}.png"), full_page=True)
+
+        # The same bar on the pool's page, beside its concurrency and rate.
+        page.goto(f"{live_server.url}/admin/fanout/capacitypool/{made['pool'].pk}/change/")
+        expect(page.locator(".fanout-headline .fanout-budget")).to_contain_text(
+            "636,400 tokens of 900,000 tokens"
+        )

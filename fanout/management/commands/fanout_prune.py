@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from fanout.errors import FanoutError
 from fanout.models import TERMINAL_RUN_STATUSES
-from fanout.prune import BATCH_ROWS, Pruned, parse_age, parse_statuses, prune
+from fanout.prune import BATCH_ROWS, PAUSE_SECONDS, Pruned, parse_age, parse_statuses, prune
 from fanout.text import plural
 
 
@@ -36,6 +36,16 @@ def _positive(text: str) -> int:
         raise ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
@@ -81,6 +91,14 @@ class Command(BaseCommand):
             default=BATCH_ROWS,
             help=f"Rows deleted per transaction (default {BATCH_ROWS}).",
         )
+        parser.add_argument(
+            "--pause",
+            type=_seconds,
+            default=PAUSE_SECONDS,
+            metavar="SECONDS",
+            help="Rest this long after each batch, so live runs keep their pace; 0 to prune "
+            f"flat out (default {PAUSE_SECONDS:g}).",
+        )
         parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -91,6 +109,7 @@ class Command(BaseCommand):
             dry_run=options["dry_run"],
             keep_runs=options["keep_runs"],
             batch=options["batch"],
+            pause=options["pause"],
         )
         if options["json"]:
             self.stdout.write(json.dumps({"dry_run": options["dry_run"], **pruned.as_dict()}))

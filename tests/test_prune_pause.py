@@ -1,0 +1,50 @@
+"""A prune can rest between its batches, so that a live run beside it keeps its pace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from fanout.models import ItemClaim
+from tests.procs import child_env, finish, spawn_manage
+from tests.test_prune import finished_run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def watch_prune(proc: subprocess.Popen[str], run_id: int) -> list[int]:
+    """The run's item counts as another connection sees them while the prune runs."""
+    seen: list[int] = []
+    while proc.poll() is None:
+        n = ItemClaim.objects.filter(run_id=run_id).count()
+        if not seen or seen[-1] != n:
+            seen.append(n)
+        time.sleep(0.02)  # a poll's interval: the prune's pace is what is measured
+    return seen
+
+
+def test_a_prune_with_a_pause_rests_between_its_batches(
+    database_url: str, children: list[subprocess.Popen[str]]
+) -> None:
+    run = finished_run("t_ledger", 40, n=60)
+    pause = 0.5
+    args = ["fanout_prune", "--older-than", "30d", "--batch", "10", "--pause", str(pause)]
+    started = time.monotonic()
+    proc = spawn_manage([*args, "--json"], child_env(database_url))
+    children.append(proc)
+
+    seen = watch_prune(proc, run.pk)
+    took = time.monotonic() - started
+    code, out, err = finish(proc)
+
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["items"] == 60
+    # Six batches of ten, each committed on its own, with a rest after each but the last:
+    # another connection sees the run between them, a batch at a time.
+    assert set(seen) <= {60, 50, 40, 30, 20, 10, 0}
+    assert len([n for n in seen if 0 < n < 60]) >= 3, seen
+    assert took >= 5 * pause
+    assert not ItemClaim.objects.filter(run_id=run.pk).exists()
