@@ -37,7 +37,15 @@ from .models import (
     ItemStatus,
     RunStatus,
 )
-from .pools import Headroom, headroom, refill
+from .pools import (
+    Headroom,
+    PoolState,
+    fair_room,
+    headroom,
+    refill,
+    share_of,
+    waiting_runs,
+)
 from .spend import Gate
 from .transitions import ClaimedItem
 
@@ -571,22 +579,20 @@ WAITER_SECONDS = 2.0  # how long a refused run counts as waiting for a pool
 
 
 def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datetime) -> Headroom:
-    """The pool's headroom for this run: no run takes more than its share while others wait.
+    """The pool's headroom for this run (pools.fair_room), kept on the locked pool row.
 
     A run refused by a full pool registers as a waiter on the pool row (under its lock); while
-    any other run waits, a run may only grow up to ceil(max_concurrency / contending runs),
-    so the slots its finished items free go to the waiting runs instead (a finished item
-    does not hand its slot over while any run waits on the pool).
+    any other run waits, a run may only grow up to its fair share, so the slots its finished
+    items free go to the waiting runs instead (a finished item does not hand its slot over
+    while any run waits on the pool: pools.hands_over).
     """
+    state = PoolState.of(pool, by_run)
     stamp = now.timestamp()
-    waiters = {int(r) for r, until in (pool.waiters or {}).items() if until > stamp}
-    if pool.waiters and not waiters:
-        pool.waiters = {}  # stale entries only: clear them, so hand-overs resume
-    room = headroom(pool, pool.in_flight, now)
-    contenders = set(by_run) | waiters | {run_id}
-    share = -(-pool.max_concurrency // len(contenders))
-    mine = by_run.get(run_id, 0)
+    if pool.waiters and not waiting_runs(pool.waiters, now):
+        pool.waiters = {}  # stale entries only: clear them
+    room = fair_room(state, run_id, now)
     if room.count <= 0:
+        mine, share = share_of(state, run_id, now)
         registered = (pool.waiters or {}).get(str(run_id), 0.0)
         # Refresh the registration only when half of it is spent: a refused claim then writes
         # the pool row at most once a second per run, not on every attempt.
@@ -598,11 +604,6 @@ def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datet
         ):
             pool.waiters = {str(r): u for r, u in (pool.waiters or {}).items() if u > stamp}
             pool.waiters[str(run_id)] = stamp + WAITER_SECONDS
-        return room
-    if waiters - {run_id} and mine + room.count > share:
-        allowed = max(0, share - mine)
-        if allowed < room.count:
-            return Headroom(allowed, f"fair share ({mine}/{share}) while other runs wait")
     return room
 
 
