@@ -16,7 +16,7 @@ from .base import Backend, HandOverRow
 # clock_timestamp(), not now(): now() is frozen at the start of the transaction, and stale
 # after a lock wait.
 NOW = "clock_timestamp()"
-# A PL/pgSQL function (migrations 0003, 0006), so that PostgreSQL plans it once per session:
+# A PL/pgSQL function (migrations 0003, 0006, 0014), so that PostgreSQL plans it once per session:
 # planning the statement cost more than running it.
 HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
 _VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
