@@ -66,10 +66,10 @@ BEGIN
           AND (v_pool = '' OR (
               NOT p.paused AND p.in_flight <= p.max_concurrency AND p.rate_count IS NULL
               AND (p.backoff_until IS NULL OR p.backoff_until <= clock_timestamp())
-              AND NOT EXISTS (
-                  -- Another run waits: its registration runs out at a time still ahead.
-                  SELECT 1 FROM jsonb_each_text(p.waiters - p_run_id::text) AS w
-                  WHERE w.value::float8 > extract(epoch FROM clock_timestamp()))))
+              -- No other run waits: none is registered, or every registration has run out.
+              AND ((p.waiters - p_run_id::text) = '{}'::jsonb
+                   OR NOT jsonb_path_exists(p.waiters - p_run_id::text, '$.* ? (@ > $now)',
+                       jsonb_build_object('now', extract(epoch FROM clock_timestamp()))))))
     ),
     pick AS (
         -- An item a reaper gave back after a crash (crashes > 0) is the claim path's: it alone
@@ -170,10 +170,10 @@ BEGIN
           AND (v_pool = '' OR (
               NOT p.paused AND p.in_flight <= p.max_concurrency AND p.rate_count IS NULL
               AND (p.backoff_until IS NULL OR p.backoff_until <= clock_timestamp())
-              AND NOT EXISTS (
-                  -- Another run waits: its registration runs out at a time still ahead.
-                  SELECT 1 FROM jsonb_each_text(p.waiters - p_run_id::text) AS w
-                  WHERE w.value::float8 > extract(epoch FROM clock_timestamp()))))
+              -- No other run waits: none is registered, or every registration has run out.
+              AND ((p.waiters - p_run_id::text) = '{}'::jsonb
+                   OR NOT jsonb_path_exists(p.waiters - p_run_id::text, '$.* ? (@ > $now)',
+                       jsonb_build_object('now', extract(epoch FROM clock_timestamp()))))))
     ),
     pick AS (
         -- An item a reaper gave back after a crash (crashes > 0) is the claim path's: it alone
@@ -361,10 +361,10 @@ END
 # The condition before this migration, put back when it is reversed.
 _WAITING = {
     "postgresql": (
-        """              AND NOT EXISTS (
-                  -- Another run waits: its registration runs out at a time still ahead.
-                  SELECT 1 FROM jsonb_each_text(p.waiters - p_run_id::text) AS w
-                  WHERE w.value::float8 > extract(epoch FROM clock_timestamp()))))""",
+        """              -- No other run waits: none is registered, or every registration has run out.
+              AND ((p.waiters - p_run_id::text) = '{}'::jsonb
+                   OR NOT jsonb_path_exists(p.waiters - p_run_id::text, '$.* ? (@ > $now)',
+                       jsonb_build_object('now', extract(epoch FROM clock_timestamp()))))))""",
         """              AND (p.waiters - p_run_id::text) = '{}'::jsonb))""",
     ),
     "mysql": (
