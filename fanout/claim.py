@@ -25,6 +25,7 @@ from django.db import connection, transaction
 from django.db.models import Count, F
 
 from . import transitions
+from .backends import backend
 from .clock import db_now
 from .conf import conf, host_name
 from .errors import HostLockBusy
@@ -143,29 +144,17 @@ def host_lock(host_limit: tuple[str, int] | None) -> Iterator[None]:
     A session lock (PostgreSQL's advisory lock, MySQL's GET_LOCK), held around the claim's
     transaction; SQLite serialises every writer already.
     """
-    if host_limit is None or connection.vendor not in ("postgresql", "mysql"):
+    if host_limit is None:
         yield
         return
     name = f"fanout-host:{host_limit[0]}:{host_name()}"
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [name])
-        else:
-            # 1: taken; 0: the wait ran out; NULL: an error. Without it the limit is not exact.
-            cursor.execute("SELECT GET_LOCK(%s, %s)", [name[:64], HOST_LOCK_WAIT_SECONDS])
-            if cursor.fetchone()[0] != 1:
-                raise HostLockBusy(
-                    f"host lock {name[:64]!r} not taken in {HOST_LOCK_WAIT_SECONDS}s: another "
-                    "claimer on this host holds it; nothing was claimed"
-                )
-    try:
+    with backend().session_lock(name, HOST_LOCK_WAIT_SECONDS) as taken:
+        if not taken:
+            raise HostLockBusy(
+                f"host lock {name[:64]!r} not taken in {HOST_LOCK_WAIT_SECONDS}s: another "
+                "claimer on this host holds it; nothing was claimed"
+            )
         yield
-    finally:
-        with connection.cursor() as cursor:
-            if connection.vendor == "postgresql":
-                cursor.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", [name])
-            else:
-                cursor.execute("SELECT RELEASE_LOCK(%s)", [name[:64]])
 
 
 def _claim(
@@ -531,22 +520,10 @@ class _Claim:
             result.retry_in = max(0.0, (result.retry_at - self.now).total_seconds())
 
 
-@contextlib.contextmanager
-def walking_indexes() -> Iterator[None]:
-    """PostgreSQL: plan the picks without sorts, so that they walk fanout_item_claim_idx in
-    work-list order even when statistics have not seen the run yet (they then make reading and
-    sorting every pending row of the run look as cheap). Only the picks: the rest of the
-    claim's transaction is planned as usual."""
-    if connection.vendor != "postgresql":
-        yield
-        return
-    with connection.cursor() as cursor:
-        cursor.execute("SET LOCAL enable_sort = off")
-    try:
-        yield
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL enable_sort = on")
+def walking_indexes() -> contextlib.AbstractContextManager[None]:
+    """Plan the claim's picks so that they walk fanout_item_claim_idx in work-list order even
+    when statistics have not seen the run yet (the backend's ordered_picks)."""
+    return backend().ordered_picks()
 
 
 def _bucket_need(cand: dict, pool: CapacityPool | None) -> float:
