@@ -7,6 +7,10 @@ once another run's registration had run out (that run finished, or was served), 
 item gave its slot up instead of handing it on, until some claim of the pool cleared the entry.
 Here fanout_hand_over and fanout_hand_over_spend (PostgreSQL) and the fanout_hand_over
 procedure (MariaDB/MySQL) read the registrations' times, on the database's clock.
+
+Both functions plan without sorts, as 0009 made fanout_hand_over do (CREATE OR REPLACE resets
+a function's settings): their picks walk fanout_item_pending_idx in work-list order even for a
+run that statistics have not seen yet.
 """
 
 import re
@@ -33,7 +37,9 @@ CREATE OR REPLACE FUNCTION fanout_hand_over(
     next_pool text,
     next_attempt integer,
     next_started_at timestamptz
-) LANGUAGE plpgsql AS $$
+) LANGUAGE plpgsql
+-- CREATE OR REPLACE drops what ALTER FUNCTION set (0009): the pick's plans must not sort.
+SET enable_sort = off AS $$
 DECLARE
     v_run bigint;
     v_pool text;
@@ -129,7 +135,9 @@ CREATE OR REPLACE FUNCTION fanout_hand_over_spend(
     next_attempt integer,
     next_started_at timestamptz,
     refused boolean
-) LANGUAGE plpgsql AS $$
+) LANGUAGE plpgsql
+-- CREATE OR REPLACE drops what ALTER FUNCTION set (0009): the pick's plans must not sort.
+SET enable_sort = off AS $$
 DECLARE
     v_run bigint;
     v_pool text;
