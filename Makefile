@@ -25,7 +25,8 @@ RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq
 	tests/test_mariadb_clock.py tests/test_mariadb_collation.py tests/test_permanent_errors.py \
 	tests/test_retry_race.py tests/test_host_lock.py tests/test_model.py tests/test_model_findings.py \
 	tests/test_counters.py tests/pools/test_rate_overspend.py tests/test_hand_over.py \
-	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py
+	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py \
+	tests/test_admission_agreement.py
 
 .PHONY: venv demo demo-llm test test-mariadb matrix docs lint clean
 

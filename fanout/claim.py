@@ -25,6 +25,7 @@ from django.db import connection, transaction
 from django.db.models import Count, F
 
 from . import transitions
+from .backends import backend
 from .clock import db_now
 from .conf import conf, host_name
 from .errors import HostLockBusy
@@ -37,7 +38,15 @@ from .models import (
     ItemStatus,
     RunStatus,
 )
-from .pools import Headroom, headroom, refill
+from .pools import (
+    Headroom,
+    PoolState,
+    fair_room,
+    headroom,
+    refill,
+    share_of,
+    waiting_runs,
+)
 from .spend import Gate
 from .transitions import ClaimedItem
 
@@ -135,29 +144,17 @@ def host_lock(host_limit: tuple[str, int] | None) -> Iterator[None]:
     A session lock (PostgreSQL's advisory lock, MySQL's GET_LOCK), held around the claim's
     transaction; SQLite serialises every writer already.
     """
-    if host_limit is None or connection.vendor not in ("postgresql", "mysql"):
+    if host_limit is None:
         yield
         return
     name = f"fanout-host:{host_limit[0]}:{host_name()}"
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", [name])
-        else:
-            # 1: taken; 0: the wait ran out; NULL: an error. Without it the limit is not exact.
-            cursor.execute("SELECT GET_LOCK(%s, %s)", [name[:64], HOST_LOCK_WAIT_SECONDS])
-            if cursor.fetchone()[0] != 1:
-                raise HostLockBusy(
-                    f"host lock {name[:64]!r} not taken in {HOST_LOCK_WAIT_SECONDS}s: another "
-                    "claimer on this host holds it; nothing was claimed"
-                )
-    try:
+    with backend().session_lock(name, HOST_LOCK_WAIT_SECONDS) as taken:
+        if not taken:
+            raise HostLockBusy(
+                f"host lock {name[:64]!r} not taken in {HOST_LOCK_WAIT_SECONDS}s: another "
+                "claimer on this host holds it; nothing was claimed"
+            )
         yield
-    finally:
-        with connection.cursor() as cursor:
-            if connection.vendor == "postgresql":
-                cursor.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", [name])
-            else:
-                cursor.execute("SELECT RELEASE_LOCK(%s)", [name[:64]])
 
 
 def _claim(
@@ -523,22 +520,10 @@ class _Claim:
             result.retry_in = max(0.0, (result.retry_at - self.now).total_seconds())
 
 
-@contextlib.contextmanager
-def walking_indexes() -> Iterator[None]:
-    """PostgreSQL: plan the picks without sorts, so that they walk fanout_item_claim_idx in
-    work-list order even when statistics have not seen the run yet (they then make reading and
-    sorting every pending row of the run look as cheap). Only the picks: the rest of the
-    claim's transaction is planned as usual."""
-    if connection.vendor != "postgresql":
-        yield
-        return
-    with connection.cursor() as cursor:
-        cursor.execute("SET LOCAL enable_sort = off")
-    try:
-        yield
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL enable_sort = on")
+def walking_indexes() -> contextlib.AbstractContextManager[None]:
+    """Plan the claim's picks so that they walk fanout_item_claim_idx in work-list order even
+    when statistics have not seen the run yet (the backend's ordered_picks)."""
+    return backend().ordered_picks()
 
 
 def _bucket_need(cand: dict, pool: CapacityPool | None) -> float:
@@ -571,22 +556,20 @@ WAITER_SECONDS = 2.0  # how long a refused run counts as waiting for a pool
 
 
 def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datetime) -> Headroom:
-    """The pool's headroom for this run: no run takes more than its share while others wait.
+    """The pool's headroom for this run (pools.fair_room), kept on the locked pool row.
 
     A run refused by a full pool registers as a waiter on the pool row (under its lock); while
-    any other run waits, a run may only grow up to ceil(max_concurrency / contending runs),
-    so the slots its finished items free go to the waiting runs instead (a finished item
-    does not hand its slot over while any run waits on the pool).
+    any other run waits, a run may only grow up to its fair share, so the slots its finished
+    items free go to the waiting runs instead (a finished item does not hand its slot over
+    while any run waits on the pool: pools.hands_over).
     """
+    state = PoolState.of(pool, by_run)
     stamp = now.timestamp()
-    waiters = {int(r) for r, until in (pool.waiters or {}).items() if until > stamp}
-    if pool.waiters and not waiters:
-        pool.waiters = {}  # stale entries only: clear them, so hand-overs resume
-    room = headroom(pool, pool.in_flight, now)
-    contenders = set(by_run) | waiters | {run_id}
-    share = -(-pool.max_concurrency // len(contenders))
-    mine = by_run.get(run_id, 0)
+    if pool.waiters and not waiting_runs(pool.waiters, now):
+        pool.waiters = {}  # stale entries only: clear them
+    room = fair_room(state, run_id, now)
     if room.count <= 0:
+        mine, share = share_of(state, run_id, now)
         registered = (pool.waiters or {}).get(str(run_id), 0.0)
         # Refresh the registration only when half of it is spent: a refused claim then writes
         # the pool row at most once a second per run, not on every attempt.
@@ -598,11 +581,6 @@ def fair_share(pool: CapacityPool, by_run: Counter[int], run_id: int, now: datet
         ):
             pool.waiters = {str(r): u for r, u in (pool.waiters or {}).items() if u > stamp}
             pool.waiters[str(run_id)] = stamp + WAITER_SECONDS
-        return room
-    if waiters - {run_id} and mine + room.count > share:
-        allowed = max(0, share - mine)
-        if allowed < room.count:
-            return Headroom(allowed, f"fair share ({mine}/{share}) while other runs wait")
     return room
 
 

@@ -32,6 +32,7 @@ from django.db import (
 from django.db.models import Field, Q, QuerySet
 
 from . import transitions
+from .backends import backend
 from .clock import DbNow, db_now, db_now_plus
 from .conf import conf
 from .cost import as_units
@@ -273,7 +274,7 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
     known_pools: set[str] = set()
     if definition.static_pool:
         known_pools.add(definition.static_pool)
-    copy = connection.vendor == "postgresql"
+    copy = backend().copies
     # Due from now by the database's clock, not this host's (which may run ahead).
     due = db_now()
     while True:
@@ -357,7 +358,7 @@ class _Row(NamedTuple):
 
 
 def _copy_rows(run: BatchRun, rows: list[_Row], due: datetime) -> None:
-    """PostgreSQL: stream the chunk with COPY; no model instances, no per-row SQL compiling."""
+    """Stream the chunk with COPY (PostgreSQL): no model instances, no per-row SQL compiling."""
     meta = ItemClaim._meta
     # Estimates only where a definition declares cost=: other runs copy what they always did.
     costed = any(r.estimate is not None for r in rows)
@@ -374,16 +375,16 @@ def _copy_rows(run: BatchRun, rows: list[_Row], due: datetime) -> None:
         f.get_db_prep_save(getattr(template, f.attname), connection) for f in defaults
     )
     fields = [cast(Field, meta.get_field(n)) for n in given] + defaults
-    columns = ", ".join(connection.ops.quote_name(str(f.column)) for f in fields)
-    table = connection.ops.quote_name(meta.db_table)
     run_id = run.pk
-    with connection.cursor() as cursor, connection.wrap_database_errors:
-        with cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-            for r in rows:
-                head = (run_id, r.key, r.position, r.payload_json, r.pool)
-                if costed:
-                    head = (*head, None if r.estimate is None else json.dumps(r.estimate))
-                copy.write_row((*head, *constants))
+
+    def values() -> Iterator[tuple]:
+        for r in rows:
+            head = (run_id, r.key, r.position, r.payload_json, r.pool)
+            if costed:
+                head = (*head, None if r.estimate is None else json.dumps(r.estimate))
+            yield (*head, *constants)
+
+    backend().copy_rows(meta.db_table, [str(f.column) for f in fields], values())
 
 
 def _rows(run: BatchRun, definition: FanOut, chunk: list[tuple[int, Any]]) -> list[_Row]:

@@ -6,7 +6,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -232,7 +232,60 @@ def refill(pool: CapacityPool, now: datetime) -> None:
     pool.tokens_at = max(pool.tokens_at, now)
 
 
-def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
+@dataclass(frozen=True)
+class PoolState:
+    """A pool's admission inputs as plain values: its row (the bucket brought up to now by
+    refill) and the slots each run holds in it."""
+
+    max_concurrency: int
+    in_flight: int
+    paused: bool = False
+    backoff_until: datetime | None = None
+    rate_count: int | None = None
+    rate_period: float = 1.0
+    rate_unit: str = ""
+    tokens: float | None = None
+    waiters: Mapping[str, float] = field(default_factory=dict)  # run id: until (epoch s)
+    holders: Mapping[int, int] = field(default_factory=dict)  # run id: slots it holds
+
+    @classmethod
+    def of(cls, pool: CapacityPool, holders: Mapping[int, int] | None = None) -> PoolState:
+        return cls(
+            max_concurrency=pool.max_concurrency,
+            in_flight=pool.in_flight,
+            paused=pool.paused,
+            backoff_until=pool.backoff_until,
+            rate_count=pool.rate_count,
+            rate_period=pool.rate_period,
+            rate_unit=pool.rate_unit,
+            tokens=pool.tokens,
+            waiters=dict(pool.waiters or {}),
+            holders=dict(holders or {}),
+        )
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A run's admission inputs as plain values."""
+
+    status: str
+    max_parallel: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class ItemState:
+    """What decides whether an item may take a slot, and in which order."""
+
+    pk: int
+    index: int
+    pool: str
+    status: str
+    crashes: int
+    next_attempt_at: datetime
+
+
+def headroom(pool: CapacityPool | PoolState, in_flight: int, now: datetime) -> Headroom:
     """Admissions the pool allows now, given its live leases; call refill() first."""
     if pool.paused:
         return Headroom(0, "pool paused")
@@ -256,6 +309,86 @@ def headroom(pool: CapacityPool, in_flight: int, now: datetime) -> Headroom:
             return Headroom(0, f"rate limited until {until:%H:%M:%S.%f}"[:-3], until)
         free = min(free, tokens)
     return Headroom(free)
+
+
+def waiting_runs(waiters: Mapping[str, float] | None, now: datetime) -> set[int]:
+    """The runs registered as waiting for a pool whose registration has not run out."""
+    stamp = now.timestamp()
+    return {int(run) for run, until in (waiters or {}).items() if until > stamp}
+
+
+def share_of(pool: PoolState, run_id: int, now: datetime) -> tuple[int, int]:
+    """(slots the run holds, its fair share): ceil(max_concurrency / contending runs), where
+    runs holding slots, runs waiting and this run contend."""
+    holding = {run for run, n in pool.holders.items() if n > 0}
+    contenders = holding | waiting_runs(pool.waiters, now) | {run_id}
+    return pool.holders.get(run_id, 0), -(-pool.max_concurrency // len(contenders))
+
+
+def fair_room(pool: PoolState, run_id: int, now: datetime) -> Headroom:
+    """The pool's headroom for this run: while other runs wait for the pool, no run grows
+    past its fair share. The claim admits by this rule."""
+    room = headroom(pool, pool.in_flight, now)
+    if room.count <= 0:
+        return room
+    mine, share = share_of(pool, run_id, now)
+    if waiting_runs(pool.waiters, now) - {run_id} and mine + room.count > share:
+        allowed = max(0, share - mine)
+        if allowed < room.count:
+            return Headroom(allowed, f"fair share ({mine}/{share}) while other runs wait")
+    return room
+
+
+RUNNING = "running"  # RunStatus.RUNNING, as the SQL routines spell it
+
+
+def hands_over(
+    run: RunState, pool_name: str, pool: PoolState | None, run_id: int, now: datetime
+) -> Headroom:
+    """Whether a finished item's slot passes straight to its run's next item of its pool.
+
+    The claim's rule once the finished item's slot is given back, narrowed to what one
+    statement may decide without the run's and the pool's locks: a pool with a rate limit
+    spends a token only under its lock (a claim's), and while another run waits for the pool
+    the slot goes back for that run to take. The hand-over routines (fanout_hand_over and
+    fanout_hand_over_spend on PostgreSQL, the fanout_hand_over procedure on MariaDB/MySQL)
+    implement this rule; tests/test_admission_agreement.py holds them to it.
+    """
+    if run.status != RUNNING:
+        return Headroom(0, f"run {run.status}")
+    if run.in_flight - 1 >= run.max_parallel:
+        return Headroom(0, f"run at max_parallel ({run.in_flight - 1}/{run.max_parallel})")
+    if not pool_name:
+        return Headroom(1)
+    if pool is None:
+        return Headroom(0, f"pool {pool_name} unavailable")
+    mine = pool.holders.get(run_id, 0)
+    freed = replace(
+        pool, in_flight=pool.in_flight - 1, holders={**pool.holders, run_id: max(0, mine - 1)}
+    )
+    room = fair_room(freed, run_id, now)
+    if room.count <= 0:
+        return room
+    if pool.rate_count is not None:
+        return Headroom(0, "rate limited: a token is spent under the pool's lock, by a claim")
+    if waiting_runs(pool.waiters, now) - {run_id}:
+        return Headroom(0, "other runs wait for the pool: the slot goes back for them")
+    return Headroom(1)
+
+
+def next_in_slot(items: Iterable[ItemState], pool_name: str, now: datetime) -> ItemState | None:
+    """The item a handed-over slot goes to: the run's first pending item of the same pool in
+    work-list order whose retry is due. Not one a reaper gave back after its owner died
+    (``crashes``): that is the claim's, which knows the run's crash budget."""
+    due = [
+        item
+        for item in items
+        if item.status == "pending"
+        and item.pool == pool_name
+        and item.crashes == 0
+        and item.next_attempt_at <= now
+    ]
+    return min(due, key=lambda item: item.index, default=None)
 
 
 _DRIFT_FIELDS = ("max_concurrency", "rate_count", "rate_period", "burst", "rate_unit")

@@ -28,19 +28,16 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
 ]
 
-# Where each backend's hand-over is created: the procedure (MariaDB/MySQL), the function.
-_HAND_OVER = {
-    "mysql": "fanout.migrations.0008_mariadb_utc",
-    "postgresql": "fanout.migrations.0003_hand_over_function",
-}
+# Where the hand-over (MariaDB/MySQL's procedure, PostgreSQL's function) is last created.
+_HAND_OVER = "fanout.migrations.0014_hand_over_live_waiters"
 
 
 @pytest.fixture
 def without_hand_over() -> Iterator[None]:
     """The test database without its hand-over; created again at the end."""
-    migration = importlib.import_module(_HAND_OVER[connection.vendor])
+    migration = importlib.import_module(_HAND_OVER)
     with connection.cursor() as cursor:
-        cursor.execute(migration.DROP)
+        cursor.execute(migration.DROP[connection.vendor])
     yield
     with connection.schema_editor(atomic=False) as editor:
         migration.create(None, editor)

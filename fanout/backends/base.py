@@ -70,6 +70,11 @@ class Backend:
     def hand_over(self, params: Sequence[Any]) -> HandOverRow:
         raise NotImplementedError("no one-statement hand-over on this database")
 
+    def hand_over_spending(self, params: Sequence[Any]) -> tuple[HandOverRow, bool] | None:
+        """The hand-over and the spend it moves in one round trip, and whether a budget refused
+        the next item; None where there is none (fanout.spend moves the spend after it)."""
+        return None
+
     def update_rows(
         self,
         model: type[Model],

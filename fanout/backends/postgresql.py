@@ -16,9 +16,13 @@ from .base import Backend, HandOverRow
 # clock_timestamp(), not now(): now() is frozen at the start of the transaction, and stale
 # after a lock wait.
 NOW = "clock_timestamp()"
-# A PL/pgSQL function (migrations 0003, 0006), so that PostgreSQL plans it once per session:
+# A PL/pgSQL function (migrations 0003, 0006, 0014), so that PostgreSQL plans it once per session:
 # planning the statement cost more than running it.
 HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
+# The hand-over and the spend it moves (migrations 0013, 0014).
+HAND_OVER_SPEND = (
+    "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
+)
 _VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
 
 
@@ -85,6 +89,12 @@ class PostgreSQL(Backend):
             cursor.execute(HAND_OVER, list(params))
             done, *rest = cursor.fetchone()
         return HandOverRow(bool(done), *rest)
+
+    def hand_over_spending(self, params: Sequence[Any]) -> tuple[HandOverRow, bool] | None:
+        with connection.cursor() as cursor:
+            cursor.execute(HAND_OVER_SPEND, list(params))
+            done, *rest, refused = cursor.fetchone()
+        return HandOverRow(bool(done), *rest), bool(refused)
 
     def update_rows(
         self,

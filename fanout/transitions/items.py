@@ -19,15 +19,14 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import F, QuerySet
-from django.utils import timezone
 
 from .. import spend
-from ..backends import backend
+from ..backends import HandOverRow, backend
 from ..clock import DbNow, db_now_plus
 from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
 
@@ -494,14 +493,6 @@ def reopen(items: QuerySet[ItemClaim]) -> int:
 
 # --- the hot path: one finished item hands its slot to the next -------------------------
 
-# A PL/pgSQL function (migration 0003), so that PostgreSQL plans the statement once per
-# session: planning it cost more than running it. On MariaDB/MySQL a stored procedure
-# (migration 0005) does the same in one round trip.
-_HAND_OVER = {
-    "postgresql": "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)",
-    "mysql": "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-}
-
 
 @dataclass
 class HandOver:
@@ -514,7 +505,7 @@ class HandOver:
 def can_hand_over(outcome: ExecutionOutcome) -> bool:
     """Outcomes the one-statement path takes: successes. A failure goes through settle(),
     which also keeps the attempt's history."""
-    return connection.vendor in _HAND_OVER and outcome.kind == SUCCEEDED
+    return backend().hands_over and outcome.kind == SUCCEEDED
 
 
 def hand_over(
@@ -533,39 +524,27 @@ def hand_over(
     claim()'s, which knows the run's crash budget.
     """
     assert outcome.kind == SUCCEEDED, "only successes are handed over (see can_hand_over)"
-    mysql = connection.vendor == "mysql"
-    params = [
-        outcome.pk,
-        token.hex if mysql else token,
-        json.dumps(outcome.result) if outcome.result is not None else None,
-        outcome.elapsed,
-        run_id,
-        outcome.pool,
-        owner[:200],
-        new_token.hex if mysql else new_token,
-        lease_seconds,
-    ]
-    with connection.cursor() as cursor:
-        cursor.execute(_HAND_OVER[connection.vendor], params)
-        done, pk, key, index, payload, pool, attempt, started_at = cursor.fetchone()
-        if mysql:
-            # A CALL answers with its status too: read every result, or the connection
-            # refuses the next statement.
-            while cursor.nextset():
-                pass
-    if started_at is not None and timezone.is_naive(started_at):
-        started_at = timezone.make_aware(started_at, UTC)  # MySQL's DATETIME holds UTC
-    item = None
-    if pk is not None:
-        item = ClaimedItem(pk, key, index, _loads(payload), pool, attempt, started_at)
-    return HandOver(bool(done), item)
+    row = backend().hand_over(
+        [
+            outcome.pk,
+            token,
+            json.dumps(outcome.result) if outcome.result is not None else None,
+            outcome.elapsed,
+            run_id,
+            outcome.pool,
+            owner[:200],
+            new_token,
+            lease_seconds,
+        ]
+    )
+    return HandOver(row.done, _next_item(row))
 
 
-# PostgreSQL: the hand-over and the spend it moves in one round trip (migration 0013); other
-# databases run spend.after_hand_over after the hand-over, in its transaction.
-_HAND_OVER_SPEND = (
-    "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
-)
+def _next_item(row: HandOverRow) -> ClaimedItem | None:
+    if row.pk is None:
+        return None
+    payload = _loads(row.payload)
+    return ClaimedItem(row.pk, row.key, row.index, payload, row.pool, row.attempt, row.started_at)
 
 
 def hand_over_spending(
@@ -580,8 +559,10 @@ def hand_over_spending(
     reservation becomes its cost, and the next item reserves its estimate or, if a budget
     refuses it, is to be recorded released without being run (``refused``)."""
     run_budget = spend.run_has_budget(run_id)
-    if connection.vendor == "postgresql":
-        params = [
+    # One round trip where the backend has it (PostgreSQL); else the hand-over, then the spend
+    # it moves (spend.after_hand_over), in one transaction.
+    answer = backend().hand_over_spending(
+        [
             outcome.pk,
             token,
             json.dumps(outcome.result) if outcome.result is not None else None,
@@ -594,13 +575,10 @@ def hand_over_spending(
             json.dumps(outcome.cost) if outcome.cost is not None else None,
             run_budget,
         ]
-        with connection.cursor() as cursor:
-            cursor.execute(_HAND_OVER_SPEND, params)
-            done, pk, key, index, payload, pool, attempt, started_at, refused = cursor.fetchone()
-        item = None
-        if pk is not None:
-            item = ClaimedItem(pk, key, index, _loads(payload), pool, attempt, started_at)
-        return HandOver(bool(done), item, bool(refused))
+    )
+    if answer is not None:
+        row, refused = answer
+        return HandOver(row.done, _next_item(row), refused)
     with transaction.atomic():
         done = hand_over(run_id, token, outcome, owner, new_token, lease_seconds)
         if not done.written:
