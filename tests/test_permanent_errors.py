@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 # Where the hand-over (MariaDB/MySQL's procedure, PostgreSQL's function) is last created.
-_HAND_OVER = "fanout.migrations.0014_hand_over_live_waiters"
+_HAND_OVER = "fanout.migrations.0015_hand_over_live_waiters"
 
 
 @pytest.fixture

@@ -444,7 +444,7 @@ def restore(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("fanout", "0013_spend")]
+    dependencies = [("fanout", "0014_sample_windows")]
 
     # MySQL cannot roll back DDL, and Django refuses to run it inside a transaction there.
     operations = [migrations.RunPython(create, restore, atomic=False)]
