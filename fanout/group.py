@@ -21,10 +21,20 @@ from typing import Any
 
 from .definition import FanOut, Item, Outcome
 from .errors import FanoutError
+from .options import CALLABLE, COUNT, NAME, POOL_NAME, SECONDS, Option
 
 
 class Step:
-    """One member of a Group with options of its own."""
+    """One member of a Group with options of its own (None: the group's)."""
+
+    # The same checks and words as FanOut's options of these names.
+    speaker = "Step "
+    do: Option[Callable[[Item], Any]] = Option(CALLABLE, label="do (the item handler)")
+    max_attempts: Option[int | None] = Option(COUNT, optional=True)
+    pool: Option[str | None] = Option(POOL_NAME, optional=True)
+    timeout: Option[float | None] = Option(SECONDS, optional=True)
+    requires: Option[str | None] = Option(NAME, optional=True)
+    compensate: Option[Callable[[Item, Any], Any] | None] = Option(CALLABLE, optional=True)
 
     def __init__(
         self,
@@ -36,18 +46,6 @@ class Step:
         requires: str | None = None,
         compensate: Callable[[Item, Any], Any] | None = None,
     ) -> None:
-        if not callable(do):
-            raise FanoutError(f"a Step needs a callable, got {do!r}")
-        if compensate is not None and not callable(compensate):
-            raise FanoutError(f"Step compensate must be a callable, got {compensate!r}")
-        if max_attempts is not None and (
-            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
-        ):
-            raise FanoutError(f"Step max_attempts must be an integer >= 1, got {max_attempts!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-            raise FanoutError(f"Step timeout must be a number > 0, got {timeout!r}")
-        if pool is not None and (not isinstance(pool, str) or not pool):
-            raise FanoutError(f"Step pool must be a pool name, got {pool!r}")
         self.do = do
         self.max_attempts = max_attempts
         self.pool = pool
