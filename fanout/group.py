@@ -68,28 +68,7 @@ class Group(FanOut):
         params: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
-        if not isinstance(steps, Mapping) or not steps:
-            raise FanoutError(f"group {name!r}: steps must be a non-empty mapping of name to step")
-        members: dict[str, Step | FanOut] = {}
-        for key, step in steps.items():
-            if not isinstance(key, str) or not key or len(key) > 255:
-                raise FanoutError(f"group {name!r}: a member name must be 1 to 255 characters")
-            if isinstance(step, Step | FanOut):
-                members[key] = step
-            elif callable(step):
-                members[key] = Step(step)
-            else:
-                raise FanoutError(
-                    f"group {name!r}: member {key!r} must be a Step, a FanOut or a callable, "
-                    f"got {step!r}"
-                )
-            requires = getattr(members[key], "requires", None)
-            if isinstance(members[key], Step) and requires not in (None, options.get("requires")):
-                raise FanoutError(
-                    f"group {name!r}: member {key!r} requires {requires!r}, but a group's "
-                    "members share its drain jobs: give the group requires=, or make the member "
-                    "a FanOut (it runs as a child run on its own queue)"
-                )
+        members = _members(name, steps, options.get("requires"))
         self.members = members
         options.setdefault("max_parallel", len(members))  # members start together
         if any(isinstance(m, Step) and m.compensate for m in members.values()):
@@ -151,6 +130,32 @@ class Group(FanOut):
         if isinstance(member, Step) and member.timeout is not None:
             return member.timeout
         return self.timeout
+
+
+def _members(name: str, steps: Any, requires: str | None) -> dict[str, Step | FanOut]:
+    """A group's members by name, each a Step or a FanOut (a callable becomes a Step)."""
+    if not isinstance(steps, Mapping) or not steps:
+        raise FanoutError(f"group {name!r}: steps must be a non-empty mapping of name to step")
+    members: dict[str, Step | FanOut] = {}
+    for key, step in steps.items():
+        if not isinstance(key, str) or not key or len(key) > 255:
+            raise FanoutError(f"group {name!r}: a member name must be 1 to 255 characters")
+        if isinstance(step, Step | FanOut):
+            members[key] = step
+        elif callable(step):
+            members[key] = Step(step)
+        else:
+            raise FanoutError(
+                f"group {name!r}: member {key!r} must be a Step, a FanOut or a callable, "
+                f"got {step!r}"
+            )
+        if isinstance(step, Step) and step.requires not in (None, requires):
+            raise FanoutError(
+                f"group {name!r}: member {key!r} requires {step.requires!r}, but a group's "
+                "members share its drain jobs: give the group requires=, or make the member "
+                "a FanOut (it runs as a child run on its own queue)"
+            )
+    return members
 
 
 def _pool(member: Step | FanOut) -> str | None:
