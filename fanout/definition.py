@@ -169,6 +169,7 @@ class FanOut:
     crash_budget: Option[int] = Option(NON_NEGATIVE, setting="CRASH_BUDGET", convert=int)
     retry_backoff: Option[float] = Option(SECONDS, setting="RETRY_BACKOFF", convert=float)
     requires: Option[str | None] = Option(NAME, optional=True)
+    _queue: Option[str | None] = Option(NAME, optional=True, label="queue")  # see .queue
     max_failures: Option[int | None] = Option(NON_NEGATIVE, optional=True)
     max_failure_rate: Option[float | None] = Option(RATE, optional=True)
     compensate: Option[Callable[[Item, Any], Any] | None] = Option(CALLABLE, optional=True)
@@ -209,7 +210,7 @@ class FanOut:
         max_spend: Any = None,
     ) -> None:
         self.name = _checked_name(name)
-        given = locals()  # the keywords above, each checked as it is set
+        given = locals()  # the keywords, each checked as its Option above is set
         for option in _OPTIONS:
             setattr(self, option, given[option])
         self.key = key or str
@@ -379,4 +380,6 @@ class FanOut:
 
 
 # Set from FanOut's keywords in this order (an error names the first bad one).
-_OPTIONS = [name for name, value in vars(FanOut).items() if isinstance(value, Option)]
+_OPTIONS = [
+    name for name, value in vars(FanOut).items() if isinstance(value, Option) and name[0] != "_"
+]

@@ -398,9 +398,9 @@ def after_hand_over(
         correct_buckets({outcome.pool: overran(spent, estimate)})
     reserve = (found.get(next_pk, (None, None))[0] or {}) if next_pk is not None else {}
     # A run's budget is made with the run, never later: a run without one has nothing to move.
-    owners = ([(run_id, None)] if run_budget else []) + (
-        [(None, outcome.pool)] if outcome.pool else []
-    )
+    owners: list[tuple[int | None, str | None]] = [(run_id, None)] if run_budget else []
+    if outcome.pool:
+        owners.append((None, outcome.pool))
     moved = _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
     if next_pk is None or not moved:
         return True
