@@ -5,20 +5,32 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any
 
+import django_rq
+from django.apps import apps
+from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
+from django.db import DatabaseError, connection, connections
+from django.utils.module_loading import import_string
+from redis.exceptions import RedisError
 
 from .conf import conf
+from .definition import registered
 from .errors import FanoutError
+from .models import CapacityPool
+from .pools import configured_limits, limits_from_config, settings_drift
+from .rq import FanoutWorker
 
 
 @register(Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
-    from .pools import limits_from_config
+    return [*_pool_config_errors(), *_lease_errors(), *_sample_rate_errors()]
 
-    problems: list[Any] = []
+
+def _pool_config_errors() -> list[Any]:
     pools = conf.POOLS
     if not isinstance(pools, dict):
         return [Error("FANOUT_POOLS must be a dict of pool name to limits", id="fanout.E001")]
+    problems: list[Any] = []
     for name, config in pools.items():
         try:
             if not isinstance(config, dict):
@@ -30,61 +42,72 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     str(exc), hint='e.g. {"max_concurrency": 10, "rate": "100/m"}', id="fanout.E002"
                 )
             )
+    return problems
+
+
+def _lease_errors() -> list[Any]:
     try:
         lease = float(conf.LEASE_SECONDS)
     except (TypeError, ValueError):
         lease = 0.0
     if lease <= 0:
-        problems.append(Error("FANOUT_LEASE_SECONDS must be a number > 0", id="fanout.E003"))
+        return [Error("FANOUT_LEASE_SECONDS must be a number > 0", id="fanout.E003")]
+    return []
+
+
+def _sample_rate_errors() -> list[Any]:
     rate = conf.OTEL_ITEM_SAMPLE_RATE
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
-        problems.append(
+        return [
             Error(
                 f"FANOUT_OTEL_ITEM_SAMPLE_RATE must be a number from 0 to 1, got {rate!r}",
                 hint="a share of items, not a percentage: 0.01 traces one item in a hundred",
                 id="fanout.E006",
             )
-        )
-    return problems
+        ]
+    return []
 
 
 @register("fanout")
 def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """The RQ executor needs its queue configured; an unreachable Redis is only a warning."""
-    from django.conf import settings
+    return _rq_queue_missing() or _django_rq_missing() or _redis_unreachable()
 
+
+def _rq_queue_missing() -> list[Any]:
     queues = getattr(settings, "RQ_QUEUES", None)
-    if not isinstance(queues, dict) or conf.QUEUE not in queues:
-        # A warning, not an error: the inline executor works without RQ.
-        what = (
-            "RQ_QUEUES is not set" if queues is None else f"RQ_QUEUES has no {conf.QUEUE!r} queue"
+    if isinstance(queues, dict) and conf.QUEUE in queues:
+        return []
+    # A warning, not an error: the inline executor works without RQ.
+    what = "RQ_QUEUES is not set" if queues is None else f"RQ_QUEUES has no {conf.QUEUE!r} queue"
+    return [
+        Warning(
+            f"{what}: run_fanout --executor rq and start(executor='rq') cannot dispatch",
+            hint=f'add "{conf.QUEUE}": {{"URL": "redis://127.0.0.1:6379/0"}} to RQ_QUEUES',
+            id="fanout.W001",
         )
-        return [
-            Warning(
-                f"{what}: run_fanout --executor rq and start(executor='rq') cannot dispatch",
-                hint=f'add "{conf.QUEUE}": {{"URL": "redis://127.0.0.1:6379/0"}} to RQ_QUEUES',
-                id="fanout.W001",
-            )
-        ]
-    from django.apps import apps
+    ]
 
-    if not apps.is_installed("django_rq"):
-        # Dispatching works without it, so runs would be made that nothing ever drains.
-        return [
-            Warning(
-                "RQ_QUEUES is set but 'django_rq' is not in INSTALLED_APPS: there is no "
-                "manage.py rqworker command to drain --executor rq runs",
-                hint='add "django_rq" to INSTALLED_APPS',
-                id="fanout.W008",
-            )
-        ]
+
+def _django_rq_missing() -> list[Any]:
+    if apps.is_installed("django_rq"):
+        return []
+    # Dispatching works without it, so runs would be made that nothing ever drains.
+    return [
+        Warning(
+            "RQ_QUEUES is set but 'django_rq' is not in INSTALLED_APPS: there is no "
+            "manage.py rqworker command to drain --executor rq runs",
+            hint='add "django_rq" to INSTALLED_APPS',
+            id="fanout.W008",
+        )
+    ]
+
+
+def _redis_unreachable() -> list[Any]:
     try:
-        import django_rq
-        from redis.exceptions import RedisError
-
-        connection = django_rq.get_connection(conf.QUEUE)
-        connection.connection_pool.connection_kwargs.setdefault("socket_connect_timeout", 0.5)
-        connection.ping()
+        redis = django_rq.get_connection(conf.QUEUE)
+        redis.connection_pool.connection_kwargs.setdefault("socket_connect_timeout", 0.5)
+        redis.ping()
     except RedisError as exc:
         return [
             Warning(
@@ -101,8 +124,6 @@ def check_rq(app_configs: Any = None, **kwargs: Any) -> list[Any]:
 @register(Tags.compatibility)
 def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """Concurrent workers on SQLite need serialised writers that readers do not block."""
-    from django.conf import settings
-
     problems: list[Any] = []
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE") != "django.db.backends.sqlite3":
@@ -129,28 +150,26 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     return problems
 
 
+_WORKER_HINT = (
+    'set RQ = {"WORKER_CLASS": "fanout.rq.FanoutWorker"}, or start every worker with '
+    "--worker-class fanout.rq.FanoutWorker (or --serializer rq.serializers.JSONSerializer)"
+)
+
+
 @register("fanout")
 def check_rq_worker(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """Drain jobs are JSON: a worker that reads jobs with pickle fails every one of them."""
-    from django.conf import settings
-
     queues = getattr(settings, "RQ_QUEUES", None)
     if not isinstance(queues, dict) or conf.QUEUE not in queues:
         return []  # W001 already says RQ is not set up
     path = (getattr(settings, "RQ", None) or {}).get("WORKER_CLASS")
-    hint = (
-        'set RQ = {"WORKER_CLASS": "fanout.rq.FanoutWorker"}, or start every worker with '
-        "--worker-class fanout.rq.FanoutWorker (or --serializer rq.serializers.JSONSerializer)"
-    )
     try:
-        from django.utils.module_loading import import_string
-
-        from .rq import FanoutWorker
-
         worker_class = import_string(path) if isinstance(path, str) else path
     except ImportError as exc:
         return [
-            Warning(f"RQ['WORKER_CLASS'] cannot be imported: {exc}", hint=hint, id="fanout.W005")
+            Warning(
+                f"RQ['WORKER_CLASS'] cannot be imported: {exc}", hint=_WORKER_HINT, id="fanout.W005"
+            )
         ]
     if isinstance(worker_class, type) and issubclass(worker_class, FanoutWorker):
         return []
@@ -158,7 +177,7 @@ def check_rq_worker(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         Warning(
             f"`manage.py rqworker {conf.QUEUE}` starts {path or 'rq.Worker'}, which reads jobs "
             "with pickle: every fanout drain job (JSON) would fail with DeserializationError",
-            hint=hint,
+            hint=_WORKER_HINT,
             id="fanout.W005",
         )
     ]
@@ -167,8 +186,6 @@ def check_rq_worker(app_configs: Any = None, **kwargs: Any) -> list[Any]:
 @register(Tags.admin)
 def check_admin_needs(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """The admin's item list renders django-filter's widgets from its templates."""
-    from django.apps import apps
-
     if not apps.is_installed("django.contrib.admin") or apps.is_installed("django_filters"):
         return []
     return [
@@ -188,34 +205,34 @@ _STRICTER = ("repeatable read", "serializable", "repeatable_read", "repeatable-r
 def check_isolation(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[Any]:
     """Claims decide limits with conditional UPDATEs that re-read a row after waiting for its
     lock: that needs READ COMMITTED (PostgreSQL's and Django's MySQL default)."""
-    from django.db import connections
-
     problems: list[Any] = []
     for alias in connections:
-        options = connections[alias].settings_dict.get("OPTIONS", {})
-        level = options.get("isolation_level")
-        if level is None:
+        level = connections[alias].settings_dict.get("OPTIONS", {}).get("isolation_level")
+        if level is None or not any(s in _isolation_name(level) for s in _STRICTER):
             continue
-        text = str(level).lower()
-        try:  # psycopg's IsolationLevel enum on PostgreSQL
-            from psycopg import IsolationLevel
-
-            if isinstance(level, IsolationLevel) or str(level).isdigit():
-                text = IsolationLevel(int(level)).name.lower().replace("_", " ")
-        except (ImportError, ValueError):
-            pass
-        if any(s in text for s in _STRICTER):
-            problems.append(
-                Error(
-                    f"DATABASES[{alias!r}] sets isolation_level {level!r}: fanout's claims need "
-                    "READ COMMITTED (under a stricter level, concurrent claims fail with "
-                    "serialization errors instead of waiting their turn)",
-                    hint=f"remove OPTIONS['isolation_level'] from DATABASES[{alias!r}], or set "
-                    "it to read committed",
-                    id="fanout.E005",
-                )
+        problems.append(
+            Error(
+                f"DATABASES[{alias!r}] sets isolation_level {level!r}: fanout's claims need "
+                "READ COMMITTED (under a stricter level, concurrent claims fail with "
+                "serialization errors instead of waiting their turn)",
+                hint=f"remove OPTIONS['isolation_level'] from DATABASES[{alias!r}], or set "
+                "it to read committed",
+                id="fanout.E005",
             )
+        )
     return problems
+
+
+def _isolation_name(level: Any) -> str:
+    """An isolation level's name in lower case, from text or psycopg's IsolationLevel."""
+    try:
+        from psycopg import IsolationLevel  # PostgreSQL's driver: absent on MariaDB-only hosts
+
+        if isinstance(level, IsolationLevel) or str(level).isdigit():
+            return IsolationLevel(int(level)).name.lower().replace("_", " ")
+    except (ImportError, ValueError):
+        pass
+    return str(level).lower()
 
 
 def pools_named_by(definition: Any) -> set[str]:
@@ -227,12 +244,8 @@ def pools_named_by(definition: Any) -> set[str]:
     return named
 
 
-def _pool_rows() -> list[Any] | None:
+def _pool_rows() -> list[CapacityPool] | None:
     """Every CapacityPool row; [] before migrate made the table; None if unreadable now."""
-    from django.db import DatabaseError, connection
-
-    from .models import CapacityPool
-
     try:
         if CapacityPool._meta.db_table not in connection.introspection.table_names():
             return []  # checks run before migrate, too
@@ -250,12 +263,13 @@ DRIFT_SAID_BY_COMMAND: ContextVar[bool] = ContextVar("fanout_drift_said", defaul
 def check_pools(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """A pool that definitions name must exist somewhere; a row that differs from
     FANOUT_POOLS wins, and that must not pass silently."""
-    from .definition import registered
-    from .pools import configured_limits, settings_drift
-
     rows = _pool_rows()
     if rows is None or not isinstance(conf.POOLS, dict):
         return []
+    return [*_pools_named_nowhere(rows), *_pools_drifted(rows)]
+
+
+def _pools_named_nowhere(rows: list[CapacityPool]) -> list[Any]:
     problems: list[Any] = []
     existing = {pool.name for pool in rows}
     for name, definition in sorted(registered().items()):
@@ -274,17 +288,19 @@ def check_pools(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     id="fanout.W006",
                 )
             )
-    for pool in sorted(rows, key=lambda p: p.name):
-        if DRIFT_SAID_BY_COMMAND.get():
-            break
-        drift = settings_drift(pool)
-        if drift:
-            problems.append(
-                Warning(
-                    drift,
-                    hint="run manage.py fanout_pools --sync to apply FANOUT_POOLS to the row, "
-                    "or change FANOUT_POOLS to match the row",
-                    id="fanout.W007",
-                )
-            )
     return problems
+
+
+def _pools_drifted(rows: list[CapacityPool]) -> list[Any]:
+    if DRIFT_SAID_BY_COMMAND.get():
+        return []
+    return [
+        Warning(
+            drift,
+            hint="run manage.py fanout_pools --sync to apply FANOUT_POOLS to the row, "
+            "or change FANOUT_POOLS to match the row",
+            id="fanout.W007",
+        )
+        for drift in map(settings_drift, sorted(rows, key=lambda p: p.name))
+        if drift
+    ]

@@ -9,14 +9,27 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .conf import conf
 from .cost import Costing, Units, add, as_units
 from .errors import DefinitionNotFound, FanoutError
+from .options import (
+    CALLABLE,
+    COMPENSATE_ORDER,
+    COUNT,
+    FAILURE_POLICY,
+    JOIN_MODE,
+    NAME,
+    NON_NEGATIVE,
+    PARAMS,
+    POOL,
+    RATE,
+    SECONDS,
+    Option,
+)
 
 if TYPE_CHECKING:
     from .models import BatchRun
 
-FAILURE_POLICIES = ("fail_fast", "collect", "tolerate")
-JOIN_MODES = ("all", "any")
 EXECUTORS = ("inline", "rq")
 _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1c1d2e-5b9a-4c36-9a52-7c0e7a1f0b11")
 _MISSING = object()
@@ -123,23 +136,12 @@ def unknown_here(name: str, host: str) -> str:
     )
 
 
-def _check_callable(name: str, what: str, value: Any, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not callable(value):
-        raise FanoutError(f"fan-out {name!r}: {what} must be callable, got {value!r}")
-
-
-def _check_positive_int(name: str, what: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _checked_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
         raise FanoutError(
-            f"fan-out {name!r}: {what} must be an integer >= {minimum}, got {value!r}"
+            f"a fan-out name must be a non-empty string of at most 200 characters, got {name!r}"
         )
-
-
-def _check_positive_number(name: str, what: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise FanoutError(f"fan-out {name!r}: {what} must be a number > 0, got {value!r}")
+    return name
 
 
 class FanOut:
@@ -147,6 +149,33 @@ class FanOut:
 
     Constructing one registers it; only registered definitions can be run.
     """
+
+    # Each option's check and error message (fanout.options); setting one checks it. Those
+    # with a setting read it when used, so override_settings reaches them.
+    over: Option[Callable[[dict[str, Any]], Iterable[Any]]] = Option(CALLABLE)
+    do: Option[Callable[[Item], Any]] = Option(CALLABLE, label="do (the item handler)")
+    key: Option[Callable[[Any], Any]] = Option(CALLABLE, optional=True)
+    payload: Option[Callable[[Any], Any] | None] = Option(CALLABLE, optional=True)
+    pool: Option[str | Callable[[Item], str] | None] = Option(POOL, optional=True)
+    max_parallel: Option[int] = Option(COUNT)
+    max_attempts: Option[int] = Option(COUNT)
+    failure_policy: Option[str] = Option(FAILURE_POLICY)
+    join: Option[Callable[[Iterable[Outcome]], Any] | None] = Option(CALLABLE, optional=True)
+    join_mode: Option[str] = Option(JOIN_MODE)
+    params: Option[dict[str, Any] | None] = Option(PARAMS, optional=True)
+    lease_seconds: Option[float] = Option(SECONDS, setting="LEASE_SECONDS", convert=float)
+    timeout: Option[float | None] = Option(SECONDS, optional=True)
+    batch_size: Option[int] = Option(COUNT, setting="BATCH_SIZE", convert=int)
+    crash_budget: Option[int] = Option(NON_NEGATIVE, setting="CRASH_BUDGET", convert=int)
+    retry_backoff: Option[float] = Option(SECONDS, setting="RETRY_BACKOFF", convert=float)
+    requires: Option[str | None] = Option(NAME, optional=True)
+    _queue: Option[str | None] = Option(NAME, optional=True, label="queue")  # see .queue
+    max_failures: Option[int | None] = Option(NON_NEGATIVE, optional=True)
+    max_failure_rate: Option[float | None] = Option(RATE, optional=True)
+    compensate: Option[Callable[[Item, Any], Any] | None] = Option(CALLABLE, optional=True)
+    compensate_order: Option[str] = Option(COMPENSATE_ORDER)
+    compensate_max_parallel: Option[int | None] = Option(COUNT, optional=True)
+    host_max_parallel: Option[int | None] = Option(COUNT, optional=True)
 
     def __init__(
         self,
@@ -180,138 +209,39 @@ class FanOut:
         cost: Any = None,
         max_spend: Any = None,
     ) -> None:
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise FanoutError(
-                f"a fan-out name must be a non-empty string of at most 200 characters, got {name!r}"
-            )
-        self.name = name
-        _check_callable(name, "over", over)
-        _check_callable(name, "do (the item handler)", do)
-        _check_callable(name, "key", key, optional=True)
-        _check_callable(name, "payload", payload, optional=True)
-        _check_callable(name, "join", join, optional=True)
-        if pool is not None and not callable(pool) and (not isinstance(pool, str) or not pool):
-            raise FanoutError(
-                f"fan-out {name!r}: pool must be a pool name or a function of the item"
-            )
-        _check_positive_int(name, "max_parallel", max_parallel)
-        _check_positive_int(name, "max_attempts", max_attempts)
-        if failure_policy not in FAILURE_POLICIES:
-            raise FanoutError(
-                f"fan-out {name!r}: failure_policy must be one of {', '.join(FAILURE_POLICIES)}, "
-                f"got {failure_policy!r}"
-            )
-        if join_mode not in JOIN_MODES:
-            raise FanoutError(
-                f"fan-out {name!r}: join_mode must be one of {', '.join(JOIN_MODES)}, "
-                f"got {join_mode!r}"
-            )
-        for what, value in (
-            ("lease_seconds", lease_seconds),
-            ("timeout", timeout),
-            ("retry_backoff", retry_backoff),
-        ):
-            if value is not None:
-                _check_positive_number(name, what, value)
-        if batch_size is not None:
-            _check_positive_int(name, "batch_size", batch_size)
-        if crash_budget is not None:
-            _check_positive_int(name, "crash_budget", crash_budget, minimum=0)
-        if max_failures is not None:
-            _check_positive_int(name, "max_failures", max_failures, minimum=0)
-        if max_failure_rate is not None and (
-            isinstance(max_failure_rate, bool)
-            or not isinstance(max_failure_rate, int | float)
-            or not 0 <= max_failure_rate < 1
-        ):
-            raise FanoutError(
-                f"fan-out {name!r}: max_failure_rate must be a number from 0 to below 1 "
-                f"(0.05 = 5% of all items), got {max_failure_rate!r}"
-            )
-        _check_callable(name, "compensate", compensate, optional=True)
-        if compensate_order not in ("reverse", "parallel"):
-            raise FanoutError(
-                f"fan-out {name!r}: compensate_order must be 'reverse' or 'parallel', "
-                f"got {compensate_order!r}"
-            )
-        if compensate_max_parallel is not None:
-            _check_positive_int(name, "compensate_max_parallel", compensate_max_parallel)
-        if host_max_parallel is not None:
-            _check_positive_int(name, "host_max_parallel", host_max_parallel)
-        if params is not None and not isinstance(params, Mapping):
-            raise FanoutError(f"fan-out {name!r}: params must be a mapping of name to type")
-
-        self.over = over
-        self.do = do
+        self.name = _checked_name(name)
+        given = locals()  # the keywords, each checked as its Option above is set
+        for option in _OPTIONS:
+            setattr(self, option, given[option])
         self.key = key or str
-        self.payload = payload
-        self.pool = pool
-        self.max_parallel = max_parallel
-        self.max_attempts = max_attempts
-        self.failure_policy = failure_policy
-        self.join = join
-        self.join_mode = join_mode
         self.params = dict(params) if params is not None else None
-        self._lease_seconds = lease_seconds
-        self.timeout = timeout
-        self._batch_size = batch_size
-        self._crash_budget = crash_budget
-        self._retry_backoff = retry_backoff
         self._queue = queue
-        self.requires = requires
-        self.max_failures = max_failures
-        self.max_failure_rate = max_failure_rate
-        self.compensate = compensate
-        self.compensate_order = compensate_order
-        self.compensate_max_parallel = compensate_max_parallel
-        self.host_max_parallel = host_max_parallel
         # Spend (fanout.spend): each item's estimate, and each run's budget by default.
         self.costing = Costing(name, cost) if cost is not None else None
         self.max_spend = as_units(max_spend, f"fan-out {name!r}: max_spend") if max_spend else None
         # False: a work list that comes out empty (a mistyped param, say) is an error, not a
         # run that succeeds having done nothing.
         self.allow_empty = bool(allow_empty)
+        self._register()
 
-        previous = _registry.get(name)
+    @property
+    def speaker(self) -> str:
+        return f"fan-out {self.name!r}: "
+
+    def _register(self) -> None:
+        previous = _registry.get(self.name)
         if previous is not None and previous.module != self.module:
             raise FanoutError(
-                f"fan-out {name!r} is defined twice: in {previous.module} and in {self.module}"
+                f"fan-out {self.name!r} is defined twice: in {previous.module} and in {self.module}"
             )
-        _registry[name] = self
+        _registry[self.name] = self
 
     @property
     def module(self) -> str:
         return getattr(self.do, "__module__", "?")
 
-    # Settings-backed values are read when used, so override_settings reaches them.
-    @property
-    def lease_seconds(self) -> float:
-        from .conf import conf
-
-        return float(self._lease_seconds or conf.LEASE_SECONDS)
-
-    @property
-    def batch_size(self) -> int:
-        from .conf import conf
-
-        return int(self._batch_size or conf.BATCH_SIZE)
-
-    @property
-    def crash_budget(self) -> int:
-        from .conf import conf
-
-        return int(conf.CRASH_BUDGET if self._crash_budget is None else self._crash_budget)
-
-    @property
-    def retry_backoff(self) -> float:
-        from .conf import conf
-
-        return float(self._retry_backoff or conf.RETRY_BACKOFF)
-
     @property
     def queue(self) -> str:
-        from .conf import conf
-
         if self._queue:
             return self._queue
         return f"{conf.QUEUE}-{self.requires}" if self.requires else conf.QUEUE
@@ -447,3 +377,9 @@ class FanOut:
 
     def __repr__(self) -> str:
         return f"<FanOut {self.name!r}>"
+
+
+# Set from FanOut's keywords in this order (an error names the first bad one).
+_OPTIONS = [
+    name for name, value in vars(FanOut).items() if isinstance(value, Option) and name[0] != "_"
+]

@@ -21,10 +21,20 @@ from typing import Any
 
 from .definition import FanOut, Item, Outcome
 from .errors import FanoutError
+from .options import CALLABLE, COUNT, NAME, POOL_NAME, SECONDS, Option
 
 
 class Step:
-    """One member of a Group with options of its own."""
+    """One member of a Group with options of its own (None: the group's)."""
+
+    # The same checks and words as FanOut's options of these names.
+    speaker = "Step "
+    do: Option[Callable[[Item], Any]] = Option(CALLABLE, label="do (the item handler)")
+    max_attempts: Option[int | None] = Option(COUNT, optional=True)
+    pool: Option[str | None] = Option(POOL_NAME, optional=True)
+    timeout: Option[float | None] = Option(SECONDS, optional=True)
+    requires: Option[str | None] = Option(NAME, optional=True)
+    compensate: Option[Callable[[Item, Any], Any] | None] = Option(CALLABLE, optional=True)
 
     def __init__(
         self,
@@ -36,18 +46,6 @@ class Step:
         requires: str | None = None,
         compensate: Callable[[Item, Any], Any] | None = None,
     ) -> None:
-        if not callable(do):
-            raise FanoutError(f"a Step needs a callable, got {do!r}")
-        if compensate is not None and not callable(compensate):
-            raise FanoutError(f"Step compensate must be a callable, got {compensate!r}")
-        if max_attempts is not None and (
-            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
-        ):
-            raise FanoutError(f"Step max_attempts must be an integer >= 1, got {max_attempts!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-            raise FanoutError(f"Step timeout must be a number > 0, got {timeout!r}")
-        if pool is not None and (not isinstance(pool, str) or not pool):
-            raise FanoutError(f"Step pool must be a pool name, got {pool!r}")
         self.do = do
         self.max_attempts = max_attempts
         self.pool = pool
@@ -70,28 +68,7 @@ class Group(FanOut):
         params: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
-        if not isinstance(steps, Mapping) or not steps:
-            raise FanoutError(f"group {name!r}: steps must be a non-empty mapping of name to step")
-        members: dict[str, Step | FanOut] = {}
-        for key, step in steps.items():
-            if not isinstance(key, str) or not key or len(key) > 255:
-                raise FanoutError(f"group {name!r}: a member name must be 1 to 255 characters")
-            if isinstance(step, Step | FanOut):
-                members[key] = step
-            elif callable(step):
-                members[key] = Step(step)
-            else:
-                raise FanoutError(
-                    f"group {name!r}: member {key!r} must be a Step, a FanOut or a callable, "
-                    f"got {step!r}"
-                )
-            requires = getattr(members[key], "requires", None)
-            if isinstance(members[key], Step) and requires not in (None, options.get("requires")):
-                raise FanoutError(
-                    f"group {name!r}: member {key!r} requires {requires!r}, but a group's "
-                    "members share its drain jobs: give the group requires=, or make the member "
-                    "a FanOut (it runs as a child run on its own queue)"
-                )
+        members = _members(name, steps, options.get("requires"))
         self.members = members
         options.setdefault("max_parallel", len(members))  # members start together
         if any(isinstance(m, Step) and m.compensate for m in members.values()):
@@ -153,6 +130,32 @@ class Group(FanOut):
         if isinstance(member, Step) and member.timeout is not None:
             return member.timeout
         return self.timeout
+
+
+def _members(name: str, steps: Any, requires: str | None) -> dict[str, Step | FanOut]:
+    """A group's members by name, each a Step or a FanOut (a callable becomes a Step)."""
+    if not isinstance(steps, Mapping) or not steps:
+        raise FanoutError(f"group {name!r}: steps must be a non-empty mapping of name to step")
+    members: dict[str, Step | FanOut] = {}
+    for key, step in steps.items():
+        if not isinstance(key, str) or not key or len(key) > 255:
+            raise FanoutError(f"group {name!r}: a member name must be 1 to 255 characters")
+        if isinstance(step, Step | FanOut):
+            members[key] = step
+        elif callable(step):
+            members[key] = Step(step)
+        else:
+            raise FanoutError(
+                f"group {name!r}: member {key!r} must be a Step, a FanOut or a callable, "
+                f"got {step!r}"
+            )
+        if isinstance(step, Step) and step.requires not in (None, requires):
+            raise FanoutError(
+                f"group {name!r}: member {key!r} requires {step.requires!r}, but a group's "
+                "members share its drain jobs: give the group requires=, or make the member "
+                "a FanOut (it runs as a child run on its own queue)"
+            )
+    return members
 
 
 def _pool(member: Step | FanOut) -> str | None:

@@ -37,52 +37,72 @@ class FanoutCollector:
         return []  # nothing to read when it is registered
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        yield _items()
+        yield from _pools()
+        yield _drift()
+        yield from _budgets()
 
-        items = GaugeMetricFamily(
-            "fanout_items",
-            "Items of open runs, by definition and status.",
-            labels=["definition", "status"],
+
+# prometheus_client is an extra: it is imported when a scrape reads the figures.
+
+
+def _items() -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    items = GaugeMetricFamily(
+        "fanout_items",
+        "Items of open runs, by definition and status.",
+        labels=["definition", "status"],
+    )
+    for (definition, status), n in sorted(read_rows(item_counts, {}).items()):
+        items.add_metric([definition, status], n)
+    return items
+
+
+def _pools() -> list[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    in_flight = GaugeMetricFamily(
+        "fanout_pool_in_flight",
+        "Items of each pool running now, across every run and host.",
+        labels=["pool"],
+    )
+    limit = GaugeMetricFamily("fanout_pool_limit", "Each pool's max_concurrency.", labels=["pool"])
+    for name, running, max_concurrency in read_rows(pool_figures, []):
+        in_flight.add_metric([name], running)
+        limit.add_metric([name], max_concurrency)
+    return [in_flight, limit]
+
+
+def _drift() -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    drift = CounterMetricFamily(
+        "fanout_counter_drift",
+        "In-flight counters found different from their rows and corrected by the audit.",
+        labels=["kind", "name"],
+    )
+    for kind, name, n in read_rows(drift_figures, []):
+        drift.add_metric([kind, name], n)
+    return drift
+
+
+def _budgets() -> list[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    budgets = {
+        name: GaugeMetricFamily(f"fanout_budget_{name}", help_text, labels=["kind", "name", "unit"])
+        for name, help_text in (
+            ("spent", "What each budget's items spent (a pool's: in its period)."),
+            ("reserved", "Estimates held against each budget by items running now."),
+            ("limit", "Each budget: a pool's, and an open run's max_spend."),
         )
-        for (definition, status), n in sorted(read_rows(item_counts, {}).items()):
-            items.add_metric([definition, status], n)
-        in_flight = GaugeMetricFamily(
-            "fanout_pool_in_flight",
-            "Items of each pool running now, across every run and host.",
-            labels=["pool"],
-        )
-        limit = GaugeMetricFamily(
-            "fanout_pool_limit", "Each pool's max_concurrency.", labels=["pool"]
-        )
-        for name, running, max_concurrency in read_rows(pool_figures, []):
-            in_flight.add_metric([name], running)
-            limit.add_metric([name], max_concurrency)
-        drift = CounterMetricFamily(
-            "fanout_counter_drift",
-            "In-flight counters found different from their rows and corrected by the audit.",
-            labels=["kind", "name"],
-        )
-        for kind, name, n in read_rows(drift_figures, []):
-            drift.add_metric([kind, name], n)
-        budgets = {
-            name: GaugeMetricFamily(
-                f"fanout_budget_{name}", help_text, labels=["kind", "name", "unit"]
-            )
-            for name, help_text in (
-                ("spent", "What each budget's items spent (a pool's: in its period)."),
-                ("reserved", "Estimates held against each budget by items running now."),
-                ("limit", "Each budget: a pool's, and an open run's max_spend."),
-            )
-        }
-        for kind, name, unit, spent, reserved, budget in read_rows(budget_figures, []):
-            budgets["spent"].add_metric([kind, name, unit], spent)
-            budgets["reserved"].add_metric([kind, name, unit], reserved)
-            budgets["limit"].add_metric([kind, name, unit], budget)
-        yield items
-        yield in_flight
-        yield limit
-        yield drift
-        yield from budgets.values()
+    }
+    for kind, name, unit, spent, reserved, budget in read_rows(budget_figures, []):
+        budgets["spent"].add_metric([kind, name, unit], spent)
+        budgets["reserved"].add_metric([kind, name, unit], reserved)
+        budgets["limit"].add_metric([kind, name, unit], budget)
+    return list(budgets.values())
 
 
 def allowed(request: HttpRequest) -> bool:

@@ -254,36 +254,31 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
     """Move accounts by {(run, pool): {unit: [spent, reserved]}}: the run's first, then the
     pools' in name order (the lock order), one statement per owner; return the rows moved."""
     moved = 0
-
-    def order(key: tuple[int | None, str | None]) -> tuple[int, Any]:
-        return (0, key[0]) if key[0] is not None else (1, key[1])
-
-    for key in sorted(changes, key=order):
+    for key in sorted(changes, key=_lock_order):
         units = {u: d for u, d in changes[key].items() if d[0] or d[1]}
         if not units:
             continue
         run_id, pool = key
         rows = SpendAccount.objects.filter(unit__in=list(units))
         rows = rows.filter(run_id=run_id) if run_id is not None else rows.filter(pool=pool)
-        if len(units) == 1:
-            ((spent, reserved),) = units.values()
-            moved += rows.update(spent=F("spent") + spent, reserved=F("reserved") + reserved)
-            continue
-        moved += rows.update(
-            spent=F("spent")
-            + Case(
-                *(When(unit=u, then=Value(d[0])) for u, d in units.items()),
-                default=Value(0.0),
-                output_field=FloatField(),
-            ),
-            reserved=F("reserved")
-            + Case(
-                *(When(unit=u, then=Value(d[1])) for u, d in units.items()),
-                default=Value(0.0),
-                output_field=FloatField(),
-            ),
-        )
+        moved += rows.update(spent=_plus("spent", units, 0), reserved=_plus("reserved", units, 1))
     return moved
+
+
+def _lock_order(key: tuple[int | None, str | None]) -> tuple[int, Any]:
+    return (0, key[0]) if key[0] is not None else (1, key[1])
+
+
+def _plus(column: str, units: dict[str, list[float]], at: int) -> Any:
+    """``column`` plus each unit's change (``at`` 0: spent, 1: reserved), in one expression."""
+    if len(units) == 1:
+        (change,) = (d[at] for d in units.values())
+        return F(column) + change
+    return F(column) + Case(
+        *(When(unit=u, then=Value(d[at])) for u, d in units.items()),
+        default=Value(0.0),
+        output_field=FloatField(),
+    )
 
 
 def settle(rows: Sequence[tuple[int, int, str]], outcomes: Sequence[ExecutionOutcome]) -> None:
@@ -402,34 +397,47 @@ def after_hand_over(
     if outcome.pool:
         correct_buckets({outcome.pool: overran(spent, estimate)})
     reserve = (found.get(next_pk, (None, None))[0] or {}) if next_pk is not None else {}
+    # A run's budget is made with the run, never later: a run without one has nothing to move.
+    owners: list[tuple[int | None, str | None]] = [(run_id, None)] if run_budget else []
+    if outcome.pool:
+        owners.append((None, outcome.pool))
+    moved = _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
+    if next_pk is None or not moved:
+        return True
+    return not _over_budget(run_id, outcome.pool, reserve)
+
+
+def _settle_and_reserve(
+    owners: list[tuple[int | None, str | None]],
+    spent: Mapping[str, float],
+    released: Mapping[str, float],
+    reserve: Mapping[str, float],
+) -> dict[tuple[int | None, str | None], dict[str, list[float]]]:
+    """Each owner's change: ``spent`` spent, ``released`` no longer reserved, ``reserve`` taken."""
     changes: dict[tuple[int | None, str | None], dict[str, list[float]]] = defaultdict(
         lambda: defaultdict(lambda: [0.0, 0.0])
-    )
-    # A run's budget is made with the run, never later: a run without one has nothing to move.
-    owners = ([(run_id, None)] if run_budget else []) + (
-        [(None, outcome.pool)] if outcome.pool else []
     )
     for owner in owners:
         for unit, n in spent.items():
             changes[owner][unit][0] += n
-        for unit, n in (estimate or {}).items():
+        for unit, n in released.items():
             changes[owner][unit][1] -= n
         for unit, n in reserve.items():
             changes[owner][unit][1] += n
-    moved = _shift(changes)
-    if next_pk is None or not moved:
-        return True
-    # The next item's reservation is taken: refuse it if a budget is passed or was reached.
+    return changes
+
+
+def _over_budget(run_id: int, pool: str, reserve: Mapping[str, float]) -> bool:
+    """Whether the next item's reservation, just taken, passed a budget or one was reached."""
     over = SpendAccount.objects.filter(
-        Q(run_id=run_id) | Q(pool=outcome.pool) if outcome.pool else Q(run_id=run_id)
-    ).values_list("unit", "spent", "reserved", "budget", "run_id", "pool")
-    refused = False
-    for unit, acc_spent, acc_reserved, budget, _, _ in over:
+        Q(run_id=run_id) | Q(pool=pool) if pool else Q(run_id=run_id)
+    ).values_list("unit", "spent", "reserved", "budget")
+    for unit, acc_spent, acc_reserved, budget in over:
         n = reserve.get(unit, 0.0)
         used_before = acc_spent + acc_reserved - n
         if acc_spent + acc_reserved > budget + _EPSILON or (n == 0 and used_before >= budget):
-            refused = True
-    return not refused
+            return True
+    return False
 
 
 def spent_by(costs: Iterable[Mapping[str, float] | None]) -> Units:
@@ -456,20 +464,27 @@ def unfit(name: str, rows: Iterable[tuple[str, str, Mapping[str, float] | None]]
     }
     for key, pool_name, estimate in rows:
         pool = pools.get(pool_name)
-        if pool is None:
-            continue
-        if estimate is None:
-            return (
-                f"fan-out {name!r}: pool {pool.name!r} counts {pool.rate_unit} "
-                f"({pool.describe_rate()}): give the definition a cost= in {pool.rate_unit}"
-            )
-        need = estimate.get(pool.rate_unit, 0.0)
-        if pool.capacity is not None and need > pool.capacity + _EPSILON:
-            return (
-                f"fan-out {name!r}: item {key!r} is estimated at "
-                f"{amount(pool.rate_unit, need)}, more than pool {pool.name!r}'s bucket holds "
-                f"({pool.describe_rate()}): it could never be admitted"
-            )
+        why = _never_admitted(name, key, pool, estimate) if pool is not None else ""
+        if why:
+            return why
+    return ""
+
+
+def _never_admitted(
+    name: str, key: str, pool: CapacityPool, estimate: Mapping[str, float] | None
+) -> str:
+    if estimate is None:
+        return (
+            f"fan-out {name!r}: pool {pool.name!r} counts {pool.rate_unit} "
+            f"({pool.describe_rate()}): give the definition a cost= in {pool.rate_unit}"
+        )
+    need = estimate.get(pool.rate_unit, 0.0)
+    if pool.capacity is not None and need > pool.capacity + _EPSILON:
+        return (
+            f"fan-out {name!r}: item {key!r} is estimated at "
+            f"{amount(pool.rate_unit, need)}, more than pool {pool.name!r}'s bucket holds "
+            f"({pool.describe_rate()}): it could never be admitted"
+        )
     return ""
 
 

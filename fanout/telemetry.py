@@ -33,6 +33,9 @@ from typing import Any
 from django.db import DatabaseError, connection
 from django.db.models import Count, Q, Sum
 
+from . import __version__
+from .conf import conf
+from .join import status_counts
 from .models import (
     TERMINAL_RUN_STATUSES,
     BatchRun,
@@ -205,8 +208,6 @@ def _tracer() -> Any:
     if isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
         tracer = None
     else:
-        from . import __version__
-
         tracer = provider.get_tracer("fanout", __version__)
         if hasattr(tracer, "id_generator"):
             _fix_ids(tracer)
@@ -254,8 +255,6 @@ def _instruments() -> _Instruments | None:
         return instruments
     with _lock:
         if _state.instruments[0] is not provider:
-            from . import __version__
-
             _state.instruments = (provider, _Instruments(provider.get_meter("fanout", __version__)))
         return _state.instruments[1]
 
@@ -298,30 +297,12 @@ def record_run(run: BatchRun) -> None:
     tracer = _tracer()
     if tracer is None:
         return
-    from .join import status_counts
-
-    attributes: dict[str, Any] = {
-        "fanout.run_id": run.pk,
-        "fanout.definition": run.definition,
-        "fanout.run_key": run.run_key,
-        "fanout.status": run.status,
-        "fanout.executor": run.executor,
-        "fanout.items.total": run.total_items,
-        "fanout.reopened": run.reopened,
-    }
-    for status, n in status_counts(run.pk).items():
-        if n:
-            attributes[f"fanout.items.{status}"] = n
+    attributes = _run_attributes(run)
     links = []
-    if run.parent_item_id is not None:
-        parent = (
-            BatchRun.objects.filter(items=run.parent_item_id)
-            .values_list("pk", "run_key", "created_at", "reopened")
-            .first()
-        )
-        if parent is not None:
-            attributes["fanout.parent_run_id"] = parent[0]
-            links.append(otel_trace.Link(_remote(*run_span_ids(*parent))))
+    parent = _parent_run(run)
+    if parent is not None:
+        attributes["fanout.parent_run_id"] = parent[0]
+        links.append(otel_trace.Link(_remote(*run_span_ids(*parent))))
     _fixed.ids = run_span_ids(run.pk, run.run_key, run.created_at, run.reopened)
     try:
         span = tracer.start_span(
@@ -336,6 +317,33 @@ def record_run(run: BatchRun) -> None:
     if run.status in ERROR_RUN_STATUSES:
         span.set_status(otel_trace.StatusCode.ERROR, (run.error or run.status).splitlines()[0])
     span.end(end_time=_ns(run.finished_at))
+
+
+def _run_attributes(run: BatchRun) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "fanout.run_id": run.pk,
+        "fanout.definition": run.definition,
+        "fanout.run_key": run.run_key,
+        "fanout.status": run.status,
+        "fanout.executor": run.executor,
+        "fanout.items.total": run.total_items,
+        "fanout.reopened": run.reopened,
+    }
+    for status, n in status_counts(run.pk).items():
+        if n:
+            attributes[f"fanout.items.{status}"] = n
+    return attributes
+
+
+def _parent_run(run: BatchRun) -> tuple[int, str, datetime, int] | None:
+    """What the parent run's span ids derive from, for a child run; None for a root run."""
+    if run.parent_item_id is None:
+        return None
+    return (
+        BatchRun.objects.filter(items=run.parent_item_id)
+        .values_list("pk", "run_key", "created_at", "reopened")
+        .first()
+    )
 
 
 def on_run_finished(sender: Any, run: BatchRun, **kwargs: Any) -> None:
@@ -369,8 +377,6 @@ class ItemSpans:
         tracer = _tracer()
         if tracer is None:
             return call()
-        from .conf import conf
-
         began = time.time_ns()
         if not item_sampled(self.run_id, item.key, float(conf.OTEL_ITEM_SAMPLE_RATE)):
             outcome = call()
@@ -500,9 +506,10 @@ def observe_rows(meter_provider: Any = None) -> None:
         if any(p is provider for p in _observed):
             return
         _observed.append(provider)
-    from . import __version__
+    _observe(provider.get_meter("fanout", __version__))
 
-    meter = provider.get_meter("fanout", __version__)
+
+def _observe(meter: Any) -> None:
     meter.create_observable_gauge(
         "fanout.items",
         callbacks=[_observe_items],

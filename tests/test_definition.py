@@ -59,6 +59,10 @@ def test_a_definition_registers_itself_under_its_name(scratch: list[str]) -> Non
         ({"lease_seconds": 0}, "lease_seconds must be a number > 0"),
         ({"crash_budget": -1}, "crash_budget must be an integer >= 0"),
         ({"params": ["n"]}, "params must be a mapping"),
+        ({"timeout": float("nan")}, "timeout must be a number > 0, got nan"),
+        ({"lease_seconds": float("nan")}, "lease_seconds must be a number > 0, got nan"),
+        ({"queue": ""}, "queue must be a name (1 to 200 characters), got ''"),
+        ({"requires": 5}, "requires must be a name (1 to 200 characters), got 5"),
     ],
 )
 def test_a_definition_with_bad_settings_is_refused_with_a_clear_error(

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from fanout import FanoutError, Group, Step
-from fanout.definition import get_definition
+from fanout import FanOut, FanoutError, Group, Step
+from fanout.definition import get_definition, registered
 from fanout.models import BatchRun, ItemAttempt, ItemClaim, ItemStatus, RunStatus
 from tests.testapp.models import Execution
 
@@ -92,7 +92,30 @@ def test_a_groups_steps_are_compensated_when_it_fails() -> None:
 
 
 def test_a_step_compensation_must_be_callable_and_only_on_steps() -> None:
-    with pytest.raises(FanoutError, match="Step compensate must be a callable"):
+    with pytest.raises(FanoutError, match="Step compensate must be callable"):
         Step(print, compensate=42)
     with pytest.raises(FanoutError, match="give compensate= on its Steps, not on the group"):
         Group("group_both", steps={"a": Step(print, compensate=print)}, compensate=print)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("timeout", "5", "timeout must be a number > 0, got '5'"),
+        ("timeout", float("nan"), "timeout must be a number > 0, got nan"),
+        ("max_attempts", 2.5, "max_attempts must be an integer >= 1, got 2.5"),
+        ("compensate", 42, "compensate must be callable, got 42"),
+        ("requires", "", "requires must be a name (1 to 200 characters), got ''"),
+    ],
+)
+def test_a_step_refuses_a_bad_option_as_a_fanout_does_with_the_same_words(
+    option: str, value: Any, message: str
+) -> None:
+    with pytest.raises(FanoutError) as as_step:
+        Step(print, **{option: value})
+    with pytest.raises(FanoutError) as as_fanout:
+        FanOut("group_bad_option", over=list, do=print, **{option: value})
+
+    assert str(as_step.value) == f"Step {message}"
+    assert str(as_fanout.value) == f"fan-out 'group_bad_option': {message}"
+    assert "group_bad_option" not in registered()

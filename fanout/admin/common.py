@@ -267,22 +267,14 @@ def redispatch(model_admin: admin.ModelAdmin, request: HttpRequest, runs: list[B
     An inline run is handed to RQ where RQ can take it: its inline workers were threads of the
     process that started it, and the web server must not run items itself.
     """
-    inline, woken, moved = [], [], []
+    inline: list[tuple[int, str]] = []
+    woken: list[int] = []
+    moved: list[tuple[int, FanOut]] = []
     for run in runs:
         if run.status != RunStatus.RUNNING:
             continue
         try:
-            definition = get_definition(run.definition)
-            if run.executor == "inline":
-                why = rq_unavailable(definition)
-                if why:
-                    inline.append((run.pk, why))
-                    continue
-                move_to_rq(run, definition)
-                moved.append((run.pk, definition))
-            else:
-                dispatch(run, definition, run.executor)
-                woken.append(run.pk)
+            _wake(run, inline, woken, moved)
         except (ImportError, FanoutError) as exc:
             model_admin.message_user(
                 request, f"run {run.pk} could not be dispatched: {exc}", messages.ERROR
@@ -290,26 +282,58 @@ def redispatch(model_admin: admin.ModelAdmin, request: HttpRequest, runs: list[B
     if woken:
         model_admin.message_user(request, f"Workers woken for {_runs(woken)}.", messages.INFO)
     for pk, definition in moved:
-        model_admin.message_user(
-            request,
-            f"run {pk} was carried by inline workers: its items now run on RQ workers "
-            f"(queue {definition.queue!r}).",
-            messages.INFO,
-        )
-        if not _queue_has_workers(definition):
-            model_admin.message_user(
-                request,
-                f"No RQ worker listens on queue {definition.queue!r} now: start "
-                f"`manage.py rqworker {definition.queue}` to run run {pk}.",
-                messages.WARNING,
-            )
+        _say_moved(model_admin, request, pk, definition)
     if inline:
-        pks = [pk for pk, _ in inline]
-        reasons = "; ".join(sorted({why for _, why in inline}))
+        _say_inline(model_admin, request, inline)
+
+
+def _wake(
+    run: BatchRun,
+    inline: list[tuple[int, str]],
+    woken: list[int],
+    moved: list[tuple[int, FanOut]],
+) -> None:
+    """Dispatch one running run, noting it as woken, moved to RQ, or left inline (and why)."""
+    definition = get_definition(run.definition)
+    if run.executor != "inline":
+        dispatch(run, definition, run.executor)
+        woken.append(run.pk)
+        return
+    why = rq_unavailable(definition)
+    if why:
+        inline.append((run.pk, why))
+        return
+    move_to_rq(run, definition)
+    moved.append((run.pk, definition))
+
+
+def _say_moved(
+    model_admin: admin.ModelAdmin, request: HttpRequest, pk: int, definition: FanOut
+) -> None:
+    model_admin.message_user(
+        request,
+        f"run {pk} was carried by inline workers: its items now run on RQ workers "
+        f"(queue {definition.queue!r}).",
+        messages.INFO,
+    )
+    if not _queue_has_workers(definition):
         model_admin.message_user(
             request,
-            f"{_runs(pks)} {'uses' if len(pks) == 1 else 'use'} the inline executor: "
-            f"start {'its' if len(pks) == 1 else 'their'} workers with {resume_command(pks)} "
-            f"(RQ cannot take over here: {reasons})",
+            f"No RQ worker listens on queue {definition.queue!r} now: start "
+            f"`manage.py rqworker {definition.queue}` to run run {pk}.",
             messages.WARNING,
         )
+
+
+def _say_inline(
+    model_admin: admin.ModelAdmin, request: HttpRequest, inline: list[tuple[int, str]]
+) -> None:
+    pks = [pk for pk, _ in inline]
+    reasons = "; ".join(sorted({why for _, why in inline}))
+    model_admin.message_user(
+        request,
+        f"{_runs(pks)} {'uses' if len(pks) == 1 else 'use'} the inline executor: "
+        f"start {'its' if len(pks) == 1 else 'their'} workers with {resume_command(pks)} "
+        f"(RQ cannot take over here: {reasons})",
+        messages.WARNING,
+    )

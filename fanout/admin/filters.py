@@ -130,33 +130,17 @@ class FilterSetListFilter(admin.ListFilter):
         return self.filterset.filter_queryset(queryset)
 
     def choices(self, changelist: Any) -> Any:
+        """A list of links per choice filter, then one form with the other filters."""
         form = self.filterset.form
-        parameters = self.field_parameters()
         inputs = []
         for name, f in self.filterset_class.base_filters.items():
             if isinstance(f, django_filters.ChoiceFilter):
-                current = self.used_parameters.get(name)
-                links = [
-                    {
-                        "display": "All",
-                        "selected": current is None,
-                        "query_string": changelist.get_query_string(remove=[name]),
-                    }
-                ]
-                for value, label in form.fields[name].choices:
-                    if value == "":
-                        continue
-                    links.append(
-                        {
-                            "display": label,
-                            "selected": current == str(value),
-                            "query_string": changelist.get_query_string({name: value}),
-                        }
-                    )
+                links = self._links(changelist, name, form.fields[name].choices)
                 yield {"kind": "links", "title": f.label or name, "links": links}
             else:
                 inputs.append(form[name])
         if inputs:
+            parameters = self.field_parameters()
             own = {p for f in inputs for p in parameters[f.name]}
             hidden = [
                 (key, value)
@@ -165,6 +149,26 @@ class FilterSetListFilter(admin.ListFilter):
                 for value in values
             ]
             yield {"kind": "form", "title": "more filters", "fields": inputs, "hidden": hidden}
+
+    def _links(self, changelist: Any, name: str, choices: Any) -> list[dict[str, Any]]:
+        current = self.used_parameters.get(name)
+        links = [
+            {
+                "display": "All",
+                "selected": current is None,
+                "query_string": changelist.get_query_string(remove=[name]),
+            }
+        ]
+        for value, label in choices:
+            if value != "":
+                links.append(
+                    {
+                        "display": label,
+                        "selected": current == str(value),
+                        "query_string": changelist.get_query_string({name: value}),
+                    }
+                )
+        return links
 
 
 class ItemClaimFilter(FilterSetListFilter):

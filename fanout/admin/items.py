@@ -225,18 +225,7 @@ class ItemClaimAdmin(FanoutAdmin):
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
             '<td class="fanout-error" title="{}">{}</td></tr>',
-            (
-                (
-                    a.attempt,
-                    date_format(a.started_at, TIME_FORMAT) if a.started_at else "-",
-                    a.owner or "-",
-                    attempt_took(a, lease),
-                    a.error_class or "-",
-                    a.error,
-                    last_line(a.error),
-                )
-                for a in rows
-            ),
+            (_attempt_cells(a, lease) for a in rows),
         )
         return format_html(
             '<table class="fanout-attempts"><thead><tr><th>attempt</th><th>started</th>'
@@ -400,3 +389,16 @@ class ItemClaimAdmin(FanoutAdmin):
             "old holders' late writes will be refused.",
             messages.SUCCESS if released else messages.WARNING,
         )
+
+
+def _attempt_cells(attempt: Any, lease: float | None) -> tuple[Any, ...]:
+    """One row of an item's attempt history: attempt, started, worker, took, error, message."""
+    return (
+        attempt.attempt,
+        date_format(attempt.started_at, TIME_FORMAT) if attempt.started_at else "-",
+        attempt.owner or "-",
+        attempt_took(attempt, lease),
+        attempt.error_class or "-",
+        attempt.error,
+        last_line(attempt.error),
+    )

@@ -49,6 +49,28 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _add_which_runs(parser: CommandParser) -> None:
+    parser.add_argument(
+        "--older-than",
+        type=_age,
+        required=True,
+        metavar="AGE",
+        help="How long ago a run (and every run of its tree) must have finished: "
+        "30d, 12h, 90m, 45s or 2w. Required.",
+    )
+    parser.add_argument(
+        "--status",
+        type=_statuses,
+        default=list(TERMINAL_RUN_STATUSES),
+        metavar="S1,S2",
+        help="Only roots that ended so, comma-separated. "
+        f"Default: every finished status ({','.join(TERMINAL_RUN_STATUSES)}).",
+    )
+    parser.add_argument(
+        "--definition", metavar="NAME", help="Only runs of this definition. Default: all."
+    )
+
+
 class Command(BaseCommand):
     help = (
         "Delete finished runs older than --older-than, with their items, attempt history and "
@@ -57,25 +79,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
-            "--older-than",
-            type=_age,
-            required=True,
-            metavar="AGE",
-            help="How long ago a run (and every run of its tree) must have finished: "
-            "30d, 12h, 90m, 45s or 2w. Required.",
-        )
-        parser.add_argument(
-            "--status",
-            type=_statuses,
-            default=list(TERMINAL_RUN_STATUSES),
-            metavar="S1,S2",
-            help="Only roots that ended so, comma-separated. "
-            f"Default: every finished status ({','.join(TERMINAL_RUN_STATUSES)}).",
-        )
-        parser.add_argument(
-            "--definition", metavar="NAME", help="Only runs of this definition. Default: all."
-        )
+        _add_which_runs(parser)
         parser.add_argument(
             "--dry-run", action="store_true", help="Say what would go; delete nothing."
         )

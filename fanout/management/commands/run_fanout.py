@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ from fanout.checks import DRIFT_SAID_BY_COMMAND, pools_named_by
 from fanout.definition import EXECUTORS, FanOut, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
 from fanout.errors import EmptyWorkList, FanoutError
+from fanout.materialize import materialize
 from fanout.models import BatchRun, CapacityPool, ItemStatus, RunStatus
 from fanout.pools import settings_drift
 from fanout.recover import cancel_run, check_retryable, release, retry_failed
@@ -91,86 +93,9 @@ class Command(BaseCommand):
     help = "Create or resume a fan-out run, dispatch its items and report every outcome."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("name", nargs="?", help="The definition to run (see --list).")
-        parser.add_argument(
-            "--param",
-            action="append",
-            type=param,
-            default=[],
-            metavar="KEY=VALUE",
-            help="A run param; repeat for more. A param the definition declares as str "
-            "keeps the exact text; other values are JSON when they parse as JSON, text "
-            "otherwise. Default: none.",
-        )
-        parser.add_argument(
-            "--run-key",
-            help="Identity of the run: starting the same key again "
-            "returns the same run. Default: the definition's name and params.",
-        )
-        parser.add_argument(
-            "--executor",
-            choices=EXECUTORS,
-            default=None,
-            help="Where items run: 'inline' threads in this process, or 'rq' "
-            "workers. Default: inline (or the run's own on --resume).",
-        )
-        parser.add_argument(
-            "--workers",
-            type=positive_int,
-            default=None,
-            help="Worker threads (inline) or drain jobs (rq). Default: max_parallel, at most 16.",
-        )
-        parser.add_argument(
-            "--max-parallel",
-            type=positive_int,
-            default=None,
-            help="In-flight cap for a new run. Default: the definition's.",
-        )
-        parser.add_argument(
-            "--max-spend",
-            type=spend_limit,
-            action="append",
-            default=[],
-            metavar="UNIT=AMOUNT",
-            help="A new run's budget, repeatable (--max-spend usd=20). Default: the definition's "
-            "max_spend, if any.",
-        )
-        parser.add_argument(
-            "--no-wait",
-            action="store_true",
-            help="Return once dispatched, printing the run id (rq). Default: wait.",
-        )
-        parser.add_argument(
-            "--resume",
-            type=positive_int,
-            metavar="RUN_ID",
-            help="Attach to an existing run and dispatch what remains.",
-        )
-        parser.add_argument(
-            "--retry-failed",
-            type=positive_int,
-            metavar="RUN_ID",
-            help="Put the run's failed items back to pending and run them again.",
-        )
-        parser.add_argument(
-            "--cancel",
-            type=positive_int,
-            metavar="RUN_ID",
-            help="Cancel the run: nothing more is claimed, pending items are cancelled, "
-            "running ones finish and are recorded. Its child runs are cancelled too.",
-        )
-        parser.add_argument(
-            "--compensate",
-            action="store_true",
-            help="With --cancel: undo the run's succeeded items with its definition's "
-            "compensate= instead of leaving them. Default: off.",
-        )
-        parser.add_argument(
-            "--json",
-            action="store_true",
-            help="Print one JSON report at the end instead of text. Default: text.",
-        )
-        parser.add_argument("--list", action="store_true", help="List the registered definitions.")
+        _add_what_to_run(parser)
+        _add_how_to_run(parser)
+        _add_an_existing_run(parser)
 
     def run_from_argv(self, argv: list[str]) -> None:
         self._from_argv = True
@@ -195,31 +120,10 @@ class Command(BaseCommand):
             raise CommandError("--compensate goes with --cancel RUN_ID", returncode=2)
         if options["cancel"]:
             return self._cancel(options["cancel"], options["json"], options["compensate"])
-        try:
-            run = self._prepare(options)
-        except EmptyWorkList as exc:
-            if options["json"]:  # scripts read one object, whatever the ending
-                empty = {"run_id": None, "status": "empty", "error": str(exc)}
-                self.stdout.write(json.dumps(empty))
-            raise RunEnded(str(exc), returncode=EXIT_EMPTY) from None
-        except FanoutError as exc:
-            raise CommandError(str(exc), returncode=2) from None
+        run = self._start(options)
         notes = [_already_finished(run)] if run.is_terminal else []
-        definition = get_definition(run.definition)
-        for drift in _settings_drift(definition):
-            self.stderr.write(
-                f"{drift}: this run uses the row's limits "
-                "(manage.py fanout_pools --sync applies FANOUT_POOLS)"
-            )
         executor = options["executor"] or run.executor
-        if executor == "inline" and options["no_wait"]:
-            raise CommandError(
-                "--no-wait needs --executor rq: inline workers live in this process", returncode=2
-            )
-        try:
-            handle = dispatch(run, definition, executor, options["workers"])
-        except FanoutError as exc:
-            raise CommandError(str(exc), returncode=2) from None
+        handle = self._dispatch(run, executor, options)
         if options["no_wait"]:
             self.stdout.write(
                 str(run.pk) if not options["json"] else json.dumps({"run_id": run.pk})
@@ -235,42 +139,42 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(report, default=str))
         else:
             self._print_report(report)
-        if interrupted and executor == "rq":
-            raise CommandError(f"detached from run {run.pk}, which goes on", returncode=1)
-        if interrupted:
-            raise CommandError(
-                f"interrupted: run {run.pk} is {run.status}; pick it up with "
-                f"run_fanout --resume {run.pk}",
-                returncode=1,
-            )
-        if report["status"] != RunStatus.SUCCEEDED:
-            raise RunEnded(
-                f"run {run.pk} {report['status']}",
-                returncode=_EXIT_BY_STATUS.get(report["status"], EXIT_FAILED),
-            )
+        _end(run, report, executor, interrupted)
         return None
+
+    def _start(self, options: dict[str, Any]) -> BatchRun:
+        """The run to dispatch, its items written; a bad request is a usage error."""
+        try:
+            return self._prepare(options)
+        except EmptyWorkList as exc:
+            if options["json"]:  # scripts read one object, whatever the ending
+                empty = {"run_id": None, "status": "empty", "error": str(exc)}
+                self.stdout.write(json.dumps(empty))
+            raise RunEnded(str(exc), returncode=EXIT_EMPTY) from None
+        except FanoutError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+
+    def _dispatch(self, run: BatchRun, executor: str, options: dict[str, Any]) -> Any:
+        definition = get_definition(run.definition)
+        for drift in _settings_drift(definition):
+            self.stderr.write(
+                f"{drift}: this run uses the row's limits "
+                "(manage.py fanout_pools --sync applies FANOUT_POOLS)"
+            )
+        if executor == "inline" and options["no_wait"]:
+            raise CommandError(
+                "--no-wait needs --executor rq: inline workers live in this process", returncode=2
+            )
+        try:
+            return dispatch(run, definition, executor, options["workers"])
+        except FanoutError as exc:
+            raise CommandError(str(exc), returncode=2) from None
 
     def _prepare(self, options: dict[str, Any]) -> BatchRun:
         if options["resume"] and options["retry_failed"]:
             raise FanoutError("give --resume or --retry-failed, not both")
-        run_id = options["resume"] or options["retry_failed"]
-        if run_id:
-            try:
-                run = BatchRun.objects.get(pk=run_id)
-            except BatchRun.DoesNotExist:
-                raise FanoutError(f"there is no run {run_id}") from None
-            if options["name"] and options["name"] != run.definition:
-                raise FanoutError(
-                    f"run {run_id} is a run of {run.definition!r}, not {options['name']!r}"
-                )
-            definition = get_definition(run.definition)
-            if options["retry_failed"]:
-                check_retryable(run)
-                count = retry_failed(run)
-                self.stderr.write(f"run {run.pk}: {count} failed items back to pending")
-            from fanout.materialize import materialize
-
-            return materialize(run, definition)
+        if options["resume"] or options["retry_failed"]:
+            return self._again(options)
         if not options["name"]:
             raise FanoutError("name a definition to run (see run_fanout --list)")
         definition = get_definition(options["name"])
@@ -282,6 +186,24 @@ class Command(BaseCommand):
             max_parallel=options["max_parallel"],
             max_spend=dict(options["max_spend"]) or None,
         )
+
+    def _again(self, options: dict[str, Any]) -> BatchRun:
+        """The run named by --resume or --retry-failed, its failed items pending on the latter."""
+        run_id = options["resume"] or options["retry_failed"]
+        try:
+            run = BatchRun.objects.get(pk=run_id)
+        except BatchRun.DoesNotExist:
+            raise FanoutError(f"there is no run {run_id}") from None
+        if options["name"] and options["name"] != run.definition:
+            raise FanoutError(
+                f"run {run_id} is a run of {run.definition!r}, not {options['name']!r}"
+            )
+        definition = get_definition(run.definition)
+        if options["retry_failed"]:
+            check_retryable(run)
+            count = retry_failed(run)
+            self.stderr.write(f"run {run.pk}: {count} failed items back to pending")
+        return materialize(run, definition)
 
     def _cancel(self, run_id: int, as_json: bool, compensate: bool = False) -> None:
         run = BatchRun.objects.filter(pk=run_id).first()
@@ -318,53 +240,10 @@ class Command(BaseCommand):
         progress: Progress | None,
     ) -> bool:
         """Show progress until the run is finished; True if interrupted by Ctrl-C."""
-        interrupted = False
-
-        def on_sigint(signum: int, frame: Any) -> None:
-            nonlocal interrupted
-            if executor == "rq":
-                # The run is the workers': this process only watched it. Say so and let go.
-                interrupted = True
-                self.stderr.write(
-                    f"\ndetached: the workers go on with run {run.pk}. Follow it with "
-                    f"run_fanout --resume {run.pk}, or stop it with run_fanout --cancel {run.pk}"
-                )
-                return
-            if interrupted and handle is not None:
-                # Second Ctrl-C: give the items back now instead of waiting for them.
-                released = release(handle.keeper.held())
-                self.stderr.write(
-                    f"\nreleased {released} running items; resume with run_fanout --resume {run.pk}"
-                )
-                os._exit(130)
-            interrupted = True
-            self.stderr.write("\nstopping: running items finish (Ctrl-C again to release them)")
-            if handle is not None:
-                handle.stop.set()
-
-        previous = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+        ctrl_c = _CtrlC(self.stderr, run, handle, executor)
+        previous = signal.signal(signal.SIGINT, ctrl_c) if _main_thread() else None
         try:
-            last_tended = time.monotonic()
-            while True:
-                snap = self._unless_db_down(lambda: snapshot(run))
-                if snap is None:
-                    continue
-                if progress is not None:
-                    progress.show(snap)
-                if run.is_terminal and (handle is None or not handle.alive):
-                    break
-                if interrupted and (handle is None or not handle.alive):
-                    break
-                if time.monotonic() - last_tended > 2.0:
-                    # What every worker's supervisor does, sooner while someone watches: join
-                    # if the last worker died first, put back lost drain jobs (idempotent).
-                    self._unless_db_down(lambda: tend(run.pk))
-                    last_tended = time.monotonic()
-                if handle is not None and handle.alive:
-                    handle.join(timeout=0.5)
-                else:
-                    # Workers elsewhere (RQ, or another parent) hold the last items.
-                    time.sleep(0.25)
+            self._follow(run, handle, progress, ctrl_c)
         finally:
             if handle is not None:
                 handle.shutdown()
@@ -372,7 +251,31 @@ class Command(BaseCommand):
                 signal.signal(signal.SIGINT, previous)
             if progress is not None:
                 progress.show(snapshot(run), final=True)
-        return interrupted
+        return ctrl_c.interrupted
+
+    def _follow(
+        self, run: BatchRun, handle: Any, progress: Progress | None, ctrl_c: _CtrlC
+    ) -> None:
+        last_tended = time.monotonic()
+        while True:
+            snap = self._unless_db_down(lambda: snapshot(run))
+            if snap is None:
+                continue
+            if progress is not None:
+                progress.show(snap)
+            alive = handle is not None and handle.alive
+            if (run.is_terminal or ctrl_c.interrupted) and not alive:
+                break
+            if time.monotonic() - last_tended > 2.0:
+                # What every worker's supervisor does, sooner while someone watches: join
+                # if the last worker died first, put back lost drain jobs (idempotent).
+                self._unless_db_down(lambda: tend(run.pk))
+                last_tended = time.monotonic()
+            if alive:
+                handle.join(timeout=0.5)
+            else:
+                # Workers elsewhere (RQ, or another parent) hold the last items.
+                time.sleep(0.25)
 
     def _unless_db_down(self, op: Callable[[], T]) -> T | None:
         """Run ``op``; if the database is restarting, say so, wait a moment, return None."""
@@ -419,6 +322,133 @@ class Command(BaseCommand):
             )
 
 
+class _CtrlC:
+    """What Ctrl-C does while the command watches a run."""
+
+    def __init__(self, stderr: Any, run: BatchRun, handle: Any, executor: str) -> None:
+        self.stderr, self.run, self.handle, self.executor = stderr, run, handle, executor
+        self.interrupted = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        run, handle = self.run, self.handle
+        if self.executor == "rq":
+            # The run is the workers': this process only watched it. Say so and let go.
+            self.interrupted = True
+            self.stderr.write(
+                f"\ndetached: the workers go on with run {run.pk}. Follow it with "
+                f"run_fanout --resume {run.pk}, or stop it with run_fanout --cancel {run.pk}"
+            )
+            return
+        if self.interrupted and handle is not None:
+            # Second Ctrl-C: give the items back now instead of waiting for them.
+            released = release(handle.keeper.held())
+            self.stderr.write(
+                f"\nreleased {released} running items; resume with run_fanout --resume {run.pk}"
+            )
+            os._exit(130)
+        self.interrupted = True
+        self.stderr.write("\nstopping: running items finish (Ctrl-C again to release them)")
+        if handle is not None:
+            handle.stop.set()
+
+
+def _add_what_to_run(parser: CommandParser) -> None:
+    parser.add_argument("name", nargs="?", help="The definition to run (see --list).")
+    parser.add_argument(
+        "--param",
+        action="append",
+        type=param,
+        default=[],
+        metavar="KEY=VALUE",
+        help="A run param; repeat for more. A param the definition declares as str "
+        "keeps the exact text; other values are JSON when they parse as JSON, text "
+        "otherwise. Default: none.",
+    )
+    parser.add_argument(
+        "--run-key",
+        help="Identity of the run: starting the same key again "
+        "returns the same run. Default: the definition's name and params.",
+    )
+    parser.add_argument(
+        "--max-parallel",
+        type=positive_int,
+        default=None,
+        help="In-flight cap for a new run. Default: the definition's.",
+    )
+    parser.add_argument(
+        "--max-spend",
+        type=spend_limit,
+        action="append",
+        default=[],
+        metavar="UNIT=AMOUNT",
+        help="A new run's budget, repeatable (--max-spend usd=20). Default: the definition's "
+        "max_spend, if any.",
+    )
+
+
+def _add_how_to_run(parser: CommandParser) -> None:
+    parser.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default=None,
+        help="Where items run: 'inline' threads in this process, or 'rq' "
+        "workers. Default: inline (or the run's own on --resume).",
+    )
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=None,
+        help="Worker threads (inline) or drain jobs (rq). Default: max_parallel, at most 16.",
+    )
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="Return once dispatched, printing the run id (rq). Default: wait.",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="Print one JSON report at the end instead of text. Default: text.",
+    )
+
+
+def _add_an_existing_run(parser: CommandParser) -> None:
+    for flag, says in (
+        ("--resume", "Attach to an existing run and dispatch what remains."),
+        ("--retry-failed", "Put the run's failed items back to pending and run them again."),
+        (
+            "--cancel",
+            "Cancel the run: nothing more is claimed, pending items are cancelled, running "
+            "ones finish and are recorded. Its child runs are cancelled too.",
+        ),
+    ):
+        parser.add_argument(flag, type=positive_int, metavar="RUN_ID", help=says)
+    parser.add_argument(
+        "--compensate",
+        action="store_true",
+        help="With --cancel: undo the run's succeeded items with its definition's "
+        "compensate= instead of leaving them. Default: off.",
+    )
+    parser.add_argument("--list", action="store_true", help="List the registered definitions.")
+
+
+def _end(run: BatchRun, report: dict[str, Any], executor: str, interrupted: bool) -> None:
+    """Say how the run ended, by exit code, unless it succeeded."""
+    if interrupted and executor == "rq":
+        raise CommandError(f"detached from run {run.pk}, which goes on", returncode=1)
+    if interrupted:
+        raise CommandError(
+            f"interrupted: run {run.pk} is {run.status}; pick it up with "
+            f"run_fanout --resume {run.pk}",
+            returncode=1,
+        )
+    if report["status"] != RunStatus.SUCCEEDED:
+        raise RunEnded(
+            f"run {run.pk} {report['status']}",
+            returncode=_EXIT_BY_STATUS.get(report["status"], EXIT_FAILED),
+        )
+
+
 def _already_finished(run: BatchRun) -> str:
     when = f" at {run.finished_at:%Y-%m-%d %H:%M:%S %Z}" if run.finished_at else ""
     params = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in run.params.items()]
@@ -436,6 +466,4 @@ def _settings_drift(definition: FanOut) -> list[str]:
 
 
 def _main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread() and sys.platform != "win32"
