@@ -189,7 +189,7 @@ class Workers:
         import django_rq
         from rq.registry import FailedJobRegistry
 
-        from fanout.rq import cleaned_up_by_rq
+        from fanout.queues import cleaned_up_by_rq
 
         failed = FailedJobRegistry(queue=django_rq.get_queue("fanout"))
         ids = failed.get_job_ids()

@@ -28,6 +28,7 @@ from . import transitions
 from .clock import db_now
 from .conf import conf, host_name
 from .errors import HostLockBusy
+from .join import fail_fast
 from .models import (
     BatchRun,
     CapacityPool,
@@ -462,8 +463,6 @@ class _Claim:
             result.crashed_out = len(self.lost)
             if self.run["failure_policy"] == FailurePolicy.FAIL_FAST:
                 # A lost item is a failed item: fail fast as record() does for handler failures.
-                from .record import fail_fast
-
                 self.fresh, self.reclaimed = [], []
                 fail_fast(self.run_id, self.lost[0]["key"])
         admitted = self.reclaimed + self.fresh

@@ -34,12 +34,13 @@ from .audit import audit_run
 from .claim import claim_compensations, lock_run
 from .conf import conf
 from .definition import FanOut
+from .join import cancel_children
 from .lease import LeaseKeeper
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from .nest import cancel_children
 from .pools import throttle_pool
 from .run import backoff
 from .run import execute as run_item
+from .signals import run_finished, send
 from .transitions import (
     FAILED,
     RETRY,
@@ -69,13 +70,6 @@ def begin(run_id: int, reason: str = "") -> bool:
             # Its child runs are forward work too: cancelled once the turn has committed.
             transaction.on_commit(lambda: cancel_children(run_id, reason or "compensating"))
     return changed
-
-
-def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> bool:
-    """The join found the run failed: compensate instead of ending it; False if the run was
-    cancelled meanwhile."""
-    with transaction.atomic():
-        return runs.begin_compensation(run_id, error, joiner=token, result=result)
 
 
 def release_lost(run_id: int) -> int:
@@ -183,8 +177,6 @@ def finish(run_id: int) -> str | None:
         audit_run(run_id)
         if not runs.end_compensation(run_id, status):
             return None
-    from .signals import run_finished, send
-
     send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run_id))
     return status
 

@@ -37,9 +37,11 @@ from .conf import conf
 from .cost import as_units
 from .definition import FanOut, Item
 from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
+from .join import settle_up
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
+from .signals import run_finished, run_started, send
 from .spend import open_run_budget, unfit
 from .transitions import runs
 
@@ -232,9 +234,6 @@ def _fail_child(run: BatchRun, token: uuid.UUID, error: Exception) -> None:
     (nest.start_child)."""
     if not runs.end_writing(run.pk, token, str(error)):
         return  # cancelled meanwhile (with its parent, say), or another writer took over
-    from .nest import settle_up
-    from .signals import run_finished, send
-
     send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run.pk))
     settle_up(run.pk)
 
@@ -260,8 +259,6 @@ def _start(run: BatchRun, token: uuid.UUID, total: int) -> None:
     run.refresh_from_db()
     logger.info("run %s: %d items written", run.pk, total)
     if run.status == RunStatus.RUNNING:
-        from .signals import run_started, send
-
         send(run_started, BatchRun, run=run)
 
 

@@ -16,6 +16,7 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from .models import BatchRun, ItemClaim, ItemStatus
+from .nest import descendants
 from .spend import run_report
 from .text import last_line
 from .waiting import (
@@ -275,8 +276,6 @@ CLASSIC_STATUSES = ("pending", "running", "succeeded", "failed", "cancelled")
 def tree_report(run: BatchRun) -> dict[str, Any]:
     """For a run with child runs (Item.spawn): how many runs its tree has and their items'
     counts per status, summed over every level."""
-    from .nest import descendants
-
     below = descendants(run.pk)
     if not below:
         return {}

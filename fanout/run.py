@@ -12,6 +12,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from . import launch
 from .conf import conf
 from .definition import FanOut, Item, Spawn
 from .errors import FanoutError, PermanentError, Throttled
@@ -88,10 +89,8 @@ def _spawned(
     outcome: ExecutionOutcome, run_id: int, claimed: ClaimedItem, spawn: Spawn, began: float
 ) -> ExecutionOutcome:
     """The handler handed its item to a child run: start it (or find it) and wait for it."""
-    from .nest import start_child
-
     try:
-        child = start_child(run_id, claimed, spawn)
+        child = launch.start_child(run_id, claimed, spawn)
     except FanoutError as exc:
         outcome.kind, outcome.error_class, outcome.error = FAILED, "SpawnFailed", str(exc)
     else:

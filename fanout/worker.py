@@ -17,19 +17,18 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
-from . import spend
+from . import compensate, spend
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, registered
 from .errors import FanoutError, is_transient
-from .join import maybe_join
+from .join import maybe_join, settle_up
 from .lease import Keepers, LeaseKeeper
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
-from .nest import settle_up
 from .record import Recorded, record
 from .run import execute
 from .signals import item_finished, pool_throttled, send
-from .supervise import note_stall
+from .stall import note_stall
 from .telemetry import claim_took, item_spans, items_finished
 from .transitions import (
     RELEASED,
@@ -249,8 +248,6 @@ class Drain:
             if result.crashed_out:
                 self._db(lambda: maybe_join(self.run_id, self.definition))
             if result.run_status == RunStatus.COMPENSATING and self.definition.compensate:
-                from . import compensate
-
                 return compensate.drain(
                     self.definition,
                     self.run_id,

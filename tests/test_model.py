@@ -49,7 +49,7 @@ from fanout.claim import _expired_checked, claim
 from fanout.clock import db_now_plus
 from fanout.definition import FanOut, Item, get_definition
 from fanout.errors import FanoutError, PermanentError, Throttled
-from fanout.join import maybe_join
+from fanout.join import maybe_join, settle_up
 from fanout.lease import LeaseKeeper
 from fanout.materialize import create_run, materialize
 from fanout.models import (
@@ -60,7 +60,6 @@ from fanout.models import (
     ItemStatus,
     RunStatus,
 )
-from fanout.nest import settle_up
 from fanout.record import record
 from fanout.recover import cancel_run, check_retryable, release, retry_failed
 from fanout.run import execute
