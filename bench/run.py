@@ -776,7 +776,7 @@ def wait_run(run_id: int, timeout: float, workers: Workers | None = None) -> Any
         if workers is not None:
             workers.check()
         if time.monotonic() > deadline:
-            from fanout.recover import cancel_run
+            from fanout.actions import cancel_run
 
             cancel_run(run, "benchmark timed out")
             raise RuntimeError(f"run {run_id} did not finish within {timeout:.0f} s")

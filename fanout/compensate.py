@@ -2,7 +2,7 @@
 that succeeded. Which items (those that succeeded), which function (``compensate(item,
 result)``), which order and budget: the rest is the item path's. The claim is
 ``claim.claim_compensations`` (the same pool admission, host limit and crash budget as an
-item's), the call is ``run.execute`` (Throttled, PermanentError, retries with backoff), the
+item's), the call is ``call.execute`` (Throttled, PermanentError, retries with backoff), the
 lease is the worker's LeaseKeeper (so a compensation past its ``timeout`` is taken over), and
 the writes are named transitions (``transitions.items.compensate``, ``compensated``, ...).
 
@@ -31,6 +31,8 @@ from typing import Any
 from django.db import transaction
 
 from .audit import audit_run
+from .call import backoff
+from .call import execute as run_item
 from .claim import claim_compensations, lock_run
 from .conf import conf
 from .definition import FanOut
@@ -38,8 +40,6 @@ from .join import cancel_children
 from .lease import LeaseKeeper
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from .pools import throttle_pool
-from .run import backoff
-from .run import execute as run_item
 from .signals import run_finished, send
 from .transitions import (
     FAILED,
@@ -122,7 +122,7 @@ def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
 
 
 def execute(definition: FanOut, run: BatchRun, item: ClaimedItem, result: Any) -> ExecutionOutcome:
-    """Run the compensation once, as an item's handler is run (run.execute)."""
+    """Run the compensation once, as an item's handler is run (call.execute)."""
     return run_item(definition, run.pk, run.params, item, undoing=(result,))
 
 

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from rq import SimpleWorker, get_current_job
 from rq.serializers import JSONSerializer
 
+from .actions import release
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, unknown_here
 from .discover import import_errors
@@ -30,7 +31,6 @@ from .errors import DefinitionNotFound, FanoutError
 from .lease import Keepers
 from .models import BatchRun
 from .queues import ALIVE_TTL, drain_threads, enqueue_slot, get_queue, slot_key
-from .recover import release
 from .stall import clear_stall, note_stall
 from .supervise import Supervisor
 from .worker import SERVING, Roam, owner_name, serve_first

@@ -18,6 +18,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
 from . import compensate, spend
+from .call import execute
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, registered
@@ -26,7 +27,6 @@ from .join import maybe_join, settle_up
 from .lease import Keepers, LeaseKeeper
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from .record import Recorded, record
-from .run import execute
 from .signals import item_finished, pool_throttled, send
 from .stall import note_stall
 from .telemetry import claim_took, item_spans, items_finished

@@ -1,9 +1,9 @@
 """A model of item and run transitions: Hypothesis drives fanout's own functions in random orders.
 
-Simulated workers claim (``claim.claim``), run handlers (``run.execute``) that succeed, raise,
+Simulated workers claim (``claim.claim``), run handlers (``call.execute``) that succeed, raise,
 refuse for good, are throttled or spawn a child run, and record through the three paths a drain
 takes (``hand_over``, a claim that records first, ``record`` alone). They die (their leases forced
-into the past), stop gracefully (``recover.release``), compensate (``compensate.claim/record``).
+into the past), stop gracefully (``actions.release``), compensate (``compensate.claim/record``).
 Operators cancel (with or without compensation), retry failed items, pause, resume, lower and
 raise pool limits; writers die mid-work-list; supervisors sweep. Two or three runs share two
 pools, one of them rate-limited.
@@ -45,6 +45,8 @@ from hypothesis.stateful import (
 )
 
 from fanout import compensate, supervise
+from fanout.actions import cancel_run, check_retryable, release, retry_failed
+from fanout.call import execute
 from fanout.claim import _expired_checked, claim
 from fanout.clock import db_now_plus
 from fanout.definition import FanOut, Item, get_definition
@@ -61,8 +63,6 @@ from fanout.models import (
     RunStatus,
 )
 from fanout.record import record
-from fanout.recover import cancel_run, check_retryable, release, retry_failed
-from fanout.run import execute
 from fanout.transitions import SPAWNED, ClaimedItem, can_hand_over, hand_over
 from fanout.worker import Drain, _expired_asked, _gate
 from tests.rq.conftest import redis, redis_url  # noqa: F401 - child runs are dispatched to RQ

@@ -1,4 +1,4 @@
-"""Recover: operator actions that give items back (retry failed, release) or stop a run."""
+"""Actions: what an operator does to a run: retry failed items, release claims, cancel it."""
 
 from __future__ import annotations
 
