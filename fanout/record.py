@@ -58,14 +58,8 @@ def record(
     if not outcomes:
         return Recorded(0, 0, 0, 0)
     thresholds = definition is not None and definition.has_thresholds
-    if any(o.kind == RETRY for o in outcomes) and (
-        failure_policy == FailurePolicy.FAIL_FAST or thresholds
-    ):
-        if any(o.kind == FAILED for o in outcomes) or run_failed(run_id, definition):
-            # The run has failed fast: a retry would be new work, so the item fails with its error.
-            for o in outcomes:
-                if o.kind == RETRY:
-                    o.kind = FAILED
+    if failure_policy == FailurePolicy.FAIL_FAST or thresholds:
+        _no_retry_once_failed(run_id, outcomes, definition)
     # No savepoint: this often runs first in the claim transaction, and a savepoint costs a trip.
     with transaction.atomic(savepoint=False):
         written = set(transitions.settle(run_id, token, outcomes))
@@ -83,6 +77,19 @@ def record(
             over_threshold(run_id, definition)
     terminal = sum(o.kind in (SUCCEEDED, FAILED) for o in mine)
     return Recorded(len(mine), len(outcomes) - len(mine), terminal, len(failed))
+
+
+def _no_retry_once_failed(
+    run_id: int, outcomes: list[ExecutionOutcome], definition: FanOut | None
+) -> None:
+    """A run that has failed (fast, or by a threshold) retries nothing: a retry would be new
+    work, so the item fails with its error."""
+    if not any(o.kind == RETRY for o in outcomes):
+        return
+    if any(o.kind == FAILED for o in outcomes) or run_failed(run_id, definition):
+        for o in outcomes:
+            if o.kind == RETRY:
+                o.kind = FAILED
 
 
 def run_failed(run_id: int, definition: FanOut | None = None) -> bool:

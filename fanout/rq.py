@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import close_old_connections, connection
@@ -101,12 +102,38 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     if definition is None:
         return f"fan-out {run.definition!r} is unknown on host {host_name()}"
     clear_stall(run_id)
+    crew = _crew(run, definition, slot)
+    _stop_on_sigterm()
+    alive_ttl = _first_beat(job, key, definition)
+    if not _serve(job, key, alive_ttl, crew, run_id):
+        return "stopped: items released"
+    if "time budget spent" in crew.outcomes and not crew.stop.is_set():
+        _come_back(job, key, definition, run_id, slot)
+    return "; ".join(sorted(set(crew.outcomes))) or "crashed"
+
+
+@dataclass
+class _Crew:
+    """A drain job's threads and what they share: lease keepers, a stop, their outcomes."""
+
+    roams: list[Roam]
+    keepers: Keepers
+    stop: threading.Event
+    threads: list[threading.Thread]
+    outcomes: list[str]
+
+
+def _crew(run: BatchRun, definition: FanOut, slot: int) -> _Crew:
     keepers = Keepers()
     stop = threading.Event()
     roams = _roams(run, definition, slot, keepers, stop)
     outcomes: list[str] = []
-    threads = _threads(roams, outcomes, f"fanout-drain-{run_id}-{slot}")
-    _stop_on_sigterm()
+    threads = _threads(roams, outcomes, f"fanout-drain-{run.pk}-{slot}")
+    return _Crew(roams, keepers, stop, threads, outcomes)
+
+
+def _first_beat(job: Any, key: str, definition: FanOut) -> int:
+    """Beat with the job's own time to live, and return it."""
     # A lost job's slot must free itself before its items' leases run out, so that idle
     # workers are sent to reclaim them.
     alive_ttl = max(1, min(ALIVE_TTL, int(definition.lease_seconds)))
@@ -114,36 +141,39 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     # beat below for a while: cut it to alive_ttl now, before any item is claimed, or a worker
     # that dies in its first moments holds the slot for ALIVE_TTL, past its items' leases.
     _heartbeat(job, key, alive_ttl, force=True)
-    _running.add(stop)
+    return alive_ttl
+
+
+def _serve(job: Any, key: str, alive_ttl: int, crew: _Crew, run_id: int) -> bool:
+    """Run the crew's threads, beating, until they return (True), or until the worker stops
+    and the grace period runs out (False: finished items recorded, the rest released)."""
+    _running.add(crew.stop)
     try:
-        for thread in threads:
+        for thread in crew.threads:
             thread.start()
-        if not _watch(job, key, alive_ttl, threads, stop):
-            recorded, released = _give_back(roams, keepers)
+        if not _watch(job, key, alive_ttl, crew.threads, crew.stop):
+            recorded, released = _give_back(crew.roams, crew.keepers)
             logger.warning(
                 "run %s: worker stopping; recorded %d finished items, released %d unfinished",
                 run_id,
                 recorded,
                 released,
             )
-            return "stopped: items released"
+            return False
     except BaseException:
         # The worker is being shut down hard: give back what we hold before leaving. Items
         # whose handlers finished are recorded (by their threads within moments, or here);
         # the rest are released (no attempt used), and a late record of them is refused by
         # the fence.
-        stop.set()
-        for thread in threads:
+        crew.stop.set()
+        for thread in crew.threads:
             thread.join(1.0)
-        _give_back(roams, keepers)
+        _give_back(crew.roams, crew.keepers)
         raise
     finally:
-        _running.discard(stop)
-        keepers.stop()
-    result = "; ".join(sorted(set(outcomes))) or "crashed"
-    if "time budget spent" in outcomes and not stop.is_set():
-        _come_back(job, key, definition, run_id, slot)
-    return result
+        _running.discard(crew.stop)
+        crew.keepers.stop()
+    return True
 
 
 def _definition_here(run: BatchRun) -> FanOut | None:

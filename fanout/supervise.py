@@ -37,7 +37,7 @@ from .audit import audit
 from .clock import DbNow, db_now_plus
 from .compensate import finish, release_lost
 from .conf import conf, host_name
-from .definition import get_definition, unknown_here
+from .definition import FanOut, get_definition, unknown_here
 from .errors import FanoutError
 from .join import maybe_join, resolve_waiting
 from .materialize import WritingInterrupted, materialize
@@ -113,24 +113,35 @@ def _tend_writing(run: BatchRun) -> str:
         held = _writing_hold(run, definition)
         if held:
             return f"stalled: writing held back {held:.1f} s more"
-    try:
-        run = materialize(run, definition, wait=False)
-    except WritingInterrupted as exc:
-        if exc.transient:
-            logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
-            return f"not written: {exc}"
-        # The database refuses it the same way however often it is asked: say so on the run,
-        # and write it again only after the stall's backoff.
-        note_stall(run.pk, f"{exc} (on host {host_name()})")
-        return f"stalled: {exc}"
-    except FanoutError as exc:
-        logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
-        return f"not written: {exc}"
+    run, why_not = _write(run, definition)
+    if why_not:
+        return why_not
     if run.status == RunStatus.PENDING:
         return "nothing: another writer holds it"
     if stalled and run.stalled:
         clear_stall(run.pk)  # written: a drain's stall is noted afresh if one comes
         run.stalled = ""
+    return _dispatch_written(run, definition)
+
+
+def _write(run: BatchRun, definition: FanOut) -> tuple[BatchRun, str]:
+    """Write the rest of the run's work list; return the run, and why not if it was not."""
+    try:
+        return materialize(run, definition, wait=False), ""
+    except WritingInterrupted as exc:
+        if exc.transient:
+            logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
+            return run, f"not written: {exc}"
+        # The database refuses it the same way however often it is asked: say so on the run,
+        # and write it again only after the stall's backoff.
+        note_stall(run.pk, f"{exc} (on host {host_name()})")
+        return run, f"stalled: {exc}"
+    except FanoutError as exc:
+        logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
+        return run, f"not written: {exc}"
+
+
+def _dispatch_written(run: BatchRun, definition: FanOut) -> str:
     if run.executor == "rq":
         return f"written; {redispatch(run)}"
     if run.parent_item_id is not None:

@@ -184,6 +184,7 @@ CORE = {
     "fanout.conf",
     "fanout.cost",
     "fanout.definition",
+    "fanout.discover",
     "fanout.errors",
     "fanout.join",
     "fanout.launch",
