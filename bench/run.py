@@ -189,7 +189,7 @@ class Workers:
         import django_rq
         from rq.registry import FailedJobRegistry
 
-        from fanout.rq import cleaned_up_by_rq
+        from fanout.queues import cleaned_up_by_rq
 
         failed = FailedJobRegistry(queue=django_rq.get_queue("fanout"))
         ids = failed.get_job_ids()
@@ -776,7 +776,7 @@ def wait_run(run_id: int, timeout: float, workers: Workers | None = None) -> Any
         if workers is not None:
             workers.check()
         if time.monotonic() > deadline:
-            from fanout.recover import cancel_run
+            from fanout.actions import cancel_run
 
             cancel_run(run, "benchmark timed out")
             raise RuntimeError(f"run {run_id} did not finish within {timeout:.0f} s")

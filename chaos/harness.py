@@ -176,8 +176,8 @@ class Harness:
 
     def end(self) -> None:
         """Stop what a scenario left behind: its parents, and its runs if still open."""
+        from fanout.actions import cancel_run
         from fanout.models import BatchRun
-        from fanout.recover import cancel_run
 
         for proc in self._children[self._mark[1] :]:
             if proc.popen.poll() is None:

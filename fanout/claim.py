@@ -29,6 +29,7 @@ from .backends import backend
 from .clock import db_now
 from .conf import conf, host_name
 from .errors import HostLockBusy
+from .join import fail_fast
 from .models import (
     BatchRun,
     CapacityPool,
@@ -379,25 +380,36 @@ class _Claim:
             return
         if self.host_room is not None and self.host_room <= 0:
             return  # this host runs as many of the definition's items as it may
+        if expired:
+            self._admit_reclaimed(cand)
+        else:
+            self._admit_fresh(cand)
+
+    def _admit_reclaimed(self, cand: dict) -> None:
+        """An expired item keeps its slot: only the rate limit (a new call to the provider)
+        applies."""
         name = cand["pool"]
         pool = self.pools.get(name)
         need = _bucket_need(cand, pool)
-        if expired:
-            # It keeps its slot: only the rate limit (a new call to the provider) applies.
-            if pool is not None and pool.tokens is not None:
-                if pool.tokens < need - 1e-9:
-                    self._short(name, pool, need)
-                    return
-                if not self._reserve(cand, reclaim=True):
-                    return
-                self._spend_token(name, pool, need)
-            elif name and pool is None:
+        if pool is not None and pool.tokens is not None:
+            if pool.tokens < need - 1e-9:
+                self._short(name, pool, need)
                 return
-            elif not self._reserve(cand, reclaim=True):
+            if not self._reserve(cand, reclaim=True):
                 return
-            self._take_host_slot()
-            self.reclaimed.append(cand)
+            self._spend_token(name, pool, need)
+        elif name and pool is None:
             return
+        elif not self._reserve(cand, reclaim=True):
+            return
+        self._take_host_slot()
+        self.reclaimed.append(cand)
+
+    def _admit_fresh(self, cand: dict) -> None:
+        """A fresh item takes a slot of the run and of its pool, and the pool's tokens."""
+        name = cand["pool"]
+        pool = self.pools.get(name)
+        need = _bucket_need(cand, pool)
         if len(self.fresh) >= self.room:
             return
         if name and self.rooms[name].count <= 0:
@@ -459,8 +471,6 @@ class _Claim:
             result.crashed_out = len(self.lost)
             if self.run["failure_policy"] == FailurePolicy.FAIL_FAST:
                 # A lost item is a failed item: fail fast as record() does for handler failures.
-                from .record import fail_fast
-
                 self.fresh, self.reclaimed = [], []
                 fail_fast(self.run_id, self.lost[0]["key"])
         admitted = self.reclaimed + self.fresh

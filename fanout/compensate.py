@@ -2,7 +2,7 @@
 that succeeded. Which items (those that succeeded), which function (``compensate(item,
 result)``), which order and budget: the rest is the item path's. The claim is
 ``claim.claim_compensations`` (the same pool admission, host limit and crash budget as an
-item's), the call is ``run.execute`` (Throttled, PermanentError, retries with backoff), the
+item's), the call is ``call.execute`` (Throttled, PermanentError, retries with backoff), the
 lease is the worker's LeaseKeeper (so a compensation past its ``timeout`` is taken over), and
 the writes are named transitions (``transitions.items.compensate``, ``compensated``, ...).
 
@@ -31,15 +31,16 @@ from typing import Any
 from django.db import transaction
 
 from .audit import audit_run
+from .call import backoff
+from .call import execute as run_item
 from .claim import claim_compensations, lock_run
 from .conf import conf
 from .definition import FanOut
+from .join import cancel_children
 from .lease import LeaseKeeper
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from .nest import cancel_children
 from .pools import throttle_pool
-from .run import backoff
-from .run import execute as run_item
+from .signals import run_finished, send
 from .transitions import (
     FAILED,
     RETRY,
@@ -69,13 +70,6 @@ def begin(run_id: int, reason: str = "") -> bool:
             # Its child runs are forward work too: cancelled once the turn has committed.
             transaction.on_commit(lambda: cancel_children(run_id, reason or "compensating"))
     return changed
-
-
-def begin_after_join(run_id: int, token: uuid.UUID, result: Any, error: str) -> bool:
-    """The join found the run failed: compensate instead of ending it; False if the run was
-    cancelled meanwhile."""
-    with transaction.atomic():
-        return runs.begin_compensation(run_id, error, joiner=token, result=result)
 
 
 def release_lost(run_id: int) -> int:
@@ -128,7 +122,7 @@ def claim(run_id: int, definition: FanOut, owner: str) -> Taken:
 
 
 def execute(definition: FanOut, run: BatchRun, item: ClaimedItem, result: Any) -> ExecutionOutcome:
-    """Run the compensation once, as an item's handler is run (run.execute)."""
+    """Run the compensation once, as an item's handler is run (call.execute)."""
     return run_item(definition, run.pk, run.params, item, undoing=(result,))
 
 
@@ -183,8 +177,6 @@ def finish(run_id: int) -> str | None:
         audit_run(run_id)
         if not runs.end_compensation(run_id, status):
             return None
-    from .signals import run_finished, send
-
     send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run_id))
     return status
 

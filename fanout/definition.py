@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .conf import conf
 from .cost import Costing, Units, add, as_units
 from .errors import DefinitionNotFound, FanoutError
+from .launch import start_run
 from .options import (
     CALLABLE,
     COMPENSATE_ORDER,
@@ -362,8 +363,6 @@ class FanOut:
         run returned is finished; otherwise workers run it and the run returned is live.
         ``max_spend`` (e.g. ``{"usd": 20}``) is the run's budget, in place of the definition's.
         """
-        from .dispatch import start_run
-
         return start_run(
             self,
             params,

@@ -9,14 +9,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.db import connection
+from redis.exceptions import RedisError
 
-from .definition import EXECUTORS, FanOut, get_definition
+from . import launch
+from .definition import EXECUTORS, FanOut, Spawn, get_definition
 from .errors import FanoutError
 from .lease import LeaseKeeper
-from .materialize import create_run, materialize
+from .materialize import WritingInterrupted, create_run, materialize
 from .models import BatchRun, RunStatus
-from .nest import open_children
+from .nest import child_run_key, open_children
+from .queues import enqueue_drains, get_queue
 from .supervise import Supervisor
+from .transitions import ClaimedItem
 from .worker import Drain, owner_name
 
 logger = logging.getLogger("fanout")
@@ -141,8 +145,6 @@ def dispatch(
     if run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING):
         return None
     if executor == "rq":
-        from .rq import enqueue_drains
-
         enqueue_drains(run, definition, workers)
         return None
     if run.parent_item_id is not None:
@@ -189,8 +191,6 @@ def prepare_run(
     if executor not in EXECUTORS:
         raise FanoutError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if executor == "rq":
-        from .rq import get_queue
-
         get_queue(definition)  # a queue the settings do not name: refused before any run is made
     run, _ = create_run(
         definition, dict(params or {}), run_key, max_parallel, executor, max_spend=max_spend
@@ -224,6 +224,30 @@ def start_run(
     return run
 
 
+def start_child(parent_run_id: int, item: ClaimedItem, spawn: Spawn) -> BatchRun:
+    """Create (or find) the item's child run, write its items and dispatch it."""
+    parent = BatchRun.objects.get(pk=parent_run_id)
+    definition = get_definition(spawn.definition)
+    run_key = child_run_key(parent_run_id, item.key)
+    # A child whose work list failed (it never started) gives way to a new one: the item runs
+    # again (a retry), and a fixed definition starts clean.
+    BatchRun.objects.filter(
+        run_key=run_key, status=RunStatus.FAILED, started_at__isnull=True
+    ).delete()
+    child, _ = create_run(
+        definition, spawn.params, run_key, executor=parent.executor, parent_item_id=item.pk
+    )
+    try:
+        child = materialize(child, definition)
+    except WritingInterrupted as exc:
+        # The database went away mid-write, not the definition: the item waits for its child
+        # all the same, whose writing a worker's supervisor finishes (and dispatches).
+        logger.warning("run %s: child run kept for the next writer: %s", parent_run_id, exc)
+        return child
+    dispatch(child, definition, parent.executor)
+    return child
+
+
 def resume(
     run_id: int, executor: str | None = None, workers: int | None = None
 ) -> tuple[BatchRun, InlineExecutor | None]:
@@ -239,10 +263,6 @@ def resume(
 
 def rq_unavailable(definition: FanOut) -> str:
     """Why RQ cannot take ``definition``'s drain jobs from this process; "" when it can."""
-    from redis.exceptions import RedisError
-
-    from .rq import get_queue
-
     try:
         queue = get_queue(definition)
         # An operator's request must not hang on a Redis host that does not answer.
@@ -275,3 +295,7 @@ def move_to_rq(run: BatchRun, definition: FanOut) -> int:
     run.executor = "rq"
     dispatch(run, definition, "rq")
     return moved
+
+
+# The layers below dispatch start and dispatch runs through fanout.launch (connected at ready).
+LAUNCHER = launch.Launcher(start_run=start_run, start_child=start_child, dispatch=dispatch)

@@ -38,9 +38,11 @@ from .conf import conf
 from .cost import as_units
 from .definition import FanOut, Item
 from .errors import EmptyWorkList, FanoutError, MaterializeError, is_transient
+from .join import settle_up
 from .lease import keep_alive
 from .models import BatchRun, ItemClaim, RunStatus
 from .pools import ensure_pools
+from .signals import run_finished, run_started, send
 from .spend import open_run_budget, unfit
 from .transitions import runs
 
@@ -58,12 +60,7 @@ def create_run(
 ) -> tuple[BatchRun, bool]:
     """Return the run for ``run_key`` (default: name + params), creating it if it is new."""
     clean = definition.clean_params(params)
-    if max_parallel is not None and (
-        isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
-    ):
-        raise FanoutError(f"max_parallel must be an integer >= 1, got {max_parallel!r}")
-    if run_key is not None and (not isinstance(run_key, str) or not run_key or len(run_key) > 255):
-        raise FanoutError("a run key must be 1 to 255 characters")
+    _check_run_options(max_parallel, run_key)
     if definition.static_pool:
         ensure_pools([definition.static_pool])
     key = run_key or definition.default_run_key(clean)
@@ -86,12 +83,26 @@ def create_run(
         return run, True
     except IntegrityError:
         # Another process created it first (the unique run key decided): use theirs.
-        run = BatchRun.objects.get(run_key=key)
-        if run.definition != definition.name:
-            raise FanoutError(
-                f"run key {key!r} belongs to a run of {run.definition!r}, not {definition.name!r}"
-            ) from None
-        return run, False
+        return _theirs(definition, key), False
+
+
+def _check_run_options(max_parallel: int | None, run_key: str | None) -> None:
+    if max_parallel is not None and (
+        isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
+    ):
+        raise FanoutError(f"max_parallel must be an integer >= 1, got {max_parallel!r}")
+    if run_key is not None and (not isinstance(run_key, str) or not run_key or len(run_key) > 255):
+        raise FanoutError("a run key must be 1 to 255 characters")
+
+
+def _theirs(definition: FanOut, key: str) -> BatchRun:
+    """The run another process created under ``key``, if it is a run of ``definition``."""
+    run = BatchRun.objects.get(run_key=key)
+    if run.definition != definition.name:
+        raise FanoutError(
+            f"run key {key!r} belongs to a run of {run.definition!r}, not {definition.name!r}"
+        ) from None
+    return run
 
 
 def _elements(definition: FanOut, params: dict[str, Any]) -> Iterator[Any]:
@@ -230,12 +241,9 @@ def _fail_child(run: BatchRun, token: uuid.UUID, error: Exception) -> None:
     Its parent item may be waiting for it already (this is a writer that took over from one
     the database interrupted): the failed child decides that item by its run's failure policy,
     as any failed child does. A rerun of the parent item writes the child afresh
-    (nest.start_child)."""
+    (dispatch.start_child)."""
     if not runs.end_writing(run.pk, token, str(error)):
         return  # cancelled meanwhile (with its parent, say), or another writer took over
-    from .nest import settle_up
-    from .signals import run_finished, send
-
     send(run_finished, BatchRun, run=BatchRun.objects.get(pk=run.pk))
     settle_up(run.pk)
 
@@ -261,8 +269,6 @@ def _start(run: BatchRun, token: uuid.UUID, total: int) -> None:
     run.refresh_from_db()
     logger.info("run %s: %d items written", run.pk, total)
     if run.status == RunStatus.RUNNING:
-        from .signals import run_started, send
-
         send(run_started, BatchRun, run=run)
 
 
@@ -271,10 +277,7 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
     chunk_size = conf.MATERIALIZE_CHUNK
     elements = enumerate(_elements(definition, run.params))
     index = 0
-    known_pools: set[str] = set()
-    if definition.static_pool:
-        known_pools.add(definition.static_pool)
-    copy = backend().copies
+    known_pools = {definition.static_pool} if definition.static_pool else set()
     # Due from now by the database's clock, not this host's (which may run ahead).
     due = db_now()
     while True:
@@ -292,35 +295,54 @@ def _write_items(run: BatchRun, definition: FanOut, token: uuid.UUID) -> int:
         if index <= start:
             continue  # committed by an earlier materializer of this run
         rows = _rows(run, definition, [(i, e) for i, e in chunk if i >= start])
-        new_pools = {r.pool for r in rows if r.pool} - known_pools
-        if new_pools:
-            ensure_pools(new_pools)
-            known_pools |= new_pools
-        if new_pools or definition.costing is not None:
-            # A pool whose rate counts tokens refuses, before any item is written, an item
-            # it could never admit.
-            why = unfit(definition.name, ((r.key, r.pool, r.estimate) for r in rows))
-            if why:
-                raise MaterializeError(why)
-        first = rows[0].position
-        try:
-            with transaction.atomic():
-                # Fenced on the token, and a write first (SQLite then holds the write lock
-                # throughout). The fence also makes every chunk's rows new: a chunk commits with
-                # materialized_upto, and a second materializer waits for this one's row lock.
-                if not BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
-                    materialized_upto=index
-                ):
-                    raise _Overtaken()
-                if copy:
-                    _copy_rows(run, rows, due)
-                else:
-                    _insert_rows(run, definition, rows, first, index, due)
-        except IntegrityError:
-            if not copy:
-                raise
-            # COPY has no ON CONFLICT: a key that an earlier chunk already wrote lands here.
-            raise MaterializeError(_duplicate_message(run, definition, rows, first)) from None
+        _admit_pools(definition, rows, known_pools)
+        _write_chunk(run, definition, token, rows, index, due)
+
+
+def _admit_pools(definition: FanOut, rows: list[_Row], known_pools: set[str]) -> None:
+    """Make the pools the rows name that are new to this writer; refuse an item that a pool
+    could never admit."""
+    new_pools = {r.pool for r in rows if r.pool} - known_pools
+    if new_pools:
+        ensure_pools(new_pools)
+        known_pools |= new_pools
+    if new_pools or definition.costing is not None:
+        # A pool whose rate counts tokens refuses, before any item is written, an item
+        # it could never admit.
+        why = unfit(definition.name, ((r.key, r.pool, r.estimate) for r in rows))
+        if why:
+            raise MaterializeError(why)
+
+
+def _write_chunk(
+    run: BatchRun,
+    definition: FanOut,
+    token: uuid.UUID,
+    rows: list[_Row],
+    end: int,
+    due: datetime,
+) -> None:
+    """Write one chunk's rows, and the run's progress up to ``end``, fenced on the token."""
+    copy = backend().copies
+    first = rows[0].position
+    try:
+        with transaction.atomic():
+            # Fenced on the token, and a write first (SQLite then holds the write lock
+            # throughout). The fence also makes every chunk's rows new: a chunk commits with
+            # materialized_upto, and a second materializer waits for this one's row lock.
+            if not BatchRun.objects.filter(pk=run.pk, materialize_token=token).update(
+                materialized_upto=end
+            ):
+                raise _Overtaken()
+            if copy:
+                _copy_rows(run, rows, due)
+            else:
+                _insert_rows(run, definition, rows, first, end, due)
+    except IntegrityError:
+        if not copy:
+            raise
+        # COPY has no ON CONFLICT: a key that an earlier chunk already wrote lands here.
+        raise MaterializeError(_duplicate_message(run, definition, rows, first)) from None
 
 
 def _insert_rows(

@@ -9,6 +9,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from .clock import DbNow
+
 
 class RunStatus(models.TextChoices):
     PENDING = "pending"  # created; its items are being written
@@ -150,8 +152,6 @@ def _now(now: datetime | None) -> Any:
     """A given time, or the database's clock read in the statement itself."""
     if now is not None:
         return now
-    from .clock import DbNow
-
     return DbNow()
 
 

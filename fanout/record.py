@@ -9,12 +9,11 @@ from django.db import transaction
 
 from . import transitions
 from .definition import FanOut
+from .join import cancel_pending, fail_fast, over_threshold
 from .models import BatchRun, FailurePolicy, ItemClaim, ItemStatus
 from .pools import throttle_pool
 from .transitions import (
     FAILED,
-    FAILED_FAST,
-    FAILURE_THRESHOLD,
     RELEASED,
     RETRY,
     SUCCEEDED,
@@ -24,7 +23,6 @@ from .transitions import (
 
 __all__ = [
     "FAILED",
-    "FAILED_FAST",
     "RELEASED",
     "RETRY",
     "SUCCEEDED",
@@ -60,14 +58,8 @@ def record(
     if not outcomes:
         return Recorded(0, 0, 0, 0)
     thresholds = definition is not None and definition.has_thresholds
-    if any(o.kind == RETRY for o in outcomes) and (
-        failure_policy == FailurePolicy.FAIL_FAST or thresholds
-    ):
-        if any(o.kind == FAILED for o in outcomes) or run_failed(run_id, definition):
-            # The run has failed fast: a retry would be new work, so the item fails with its error.
-            for o in outcomes:
-                if o.kind == RETRY:
-                    o.kind = FAILED
+    if failure_policy == FailurePolicy.FAIL_FAST or thresholds:
+        _no_retry_once_failed(run_id, outcomes, definition)
     # No savepoint: this often runs first in the claim transaction, and a savepoint costs a trip.
     with transaction.atomic(savepoint=False):
         written = set(transitions.settle(run_id, token, outcomes))
@@ -87,6 +79,19 @@ def record(
     return Recorded(len(mine), len(outcomes) - len(mine), terminal, len(failed))
 
 
+def _no_retry_once_failed(
+    run_id: int, outcomes: list[ExecutionOutcome], definition: FanOut | None
+) -> None:
+    """A run that has failed (fast, or by a threshold) retries nothing: a retry would be new
+    work, so the item fails with its error."""
+    if not any(o.kind == RETRY for o in outcomes):
+        return
+    if any(o.kind == FAILED for o in outcomes) or run_failed(run_id, definition):
+        for o in outcomes:
+            if o.kind == RETRY:
+                o.kind = FAILED
+
+
 def run_failed(run_id: int, definition: FanOut | None = None) -> bool:
     """Whether the run has already failed: any failed item under fail_fast, or its thresholds."""
     failed = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED)
@@ -94,36 +99,3 @@ def run_failed(run_id: int, definition: FanOut | None = None) -> bool:
         return failed.exists()
     total = BatchRun.objects.filter(pk=run_id).values_list("total_items", flat=True).first()
     return bool(definition.threshold_crossed(failed.count(), total or 0))
-
-
-def over_threshold(run_id: int, definition: FanOut) -> str:
-    """If the run's failures crossed a threshold, fail it now: cancel what nobody holds."""
-    failed = ItemClaim.objects.filter(run_id=run_id, status=ItemStatus.FAILED).count()
-    total = BatchRun.objects.filter(pk=run_id).values_list("total_items", flat=True).first()
-    reason = definition.threshold_crossed(failed, total or 0)
-    if reason:
-        BatchRun.objects.filter(pk=run_id, error="").update(error=f"the run failed: {reason}")
-        cancel_pending(run_id, f"cancelled: {reason}", error_class=FAILURE_THRESHOLD)
-        _cancel_children_later(run_id, f"cancelled: {reason}")
-    return reason
-
-
-def cancel_pending(run_id: int, reason: str, error_class: str = "Cancelled") -> int:
-    """Cancel the run's items nobody holds; running ones finish and are recorded."""
-    items = ItemClaim.objects.filter(run_id=run_id)
-    return transitions.cancel_pending(items, reason, error_class)
-
-
-def fail_fast(run_id: int, key: str) -> int:
-    """The run failed fast because ``key`` failed: cancel what nobody has claimed yet."""
-    reason = f"cancelled: the run fails fast and item {key!r} failed"
-    count = cancel_pending(run_id, reason, error_class=FAILED_FAST)
-    _cancel_children_later(run_id, reason)
-    return count
-
-
-def _cancel_children_later(run_id: int, reason: str) -> None:
-    """Cancel the run's unfinished child runs once the failure that stops it has committed."""
-    from .nest import cancel_children
-
-    transaction.on_commit(lambda: cancel_children(run_id, reason))

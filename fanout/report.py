@@ -16,6 +16,7 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from .models import BatchRun, ItemClaim, ItemStatus
+from .nest import descendants
 from .spend import run_report
 from .text import last_line
 from .waiting import (
@@ -32,11 +33,10 @@ from .waiting import (
 
 __all__ = [
     "SEGMENTS",
-    "WAITING",
+    "HELD_BACK",
     "FailureGroup",
     "PoolState",
     "Progress",
-    "Snapshot",
     "failure_groups",
     "final_report",
     "pool_states",
@@ -47,7 +47,9 @@ __all__ = [
 
 FAILED_LISTED = 10_000  # a report lists at most this many failed items
 FAILURE_GROUPS = 20  # error classes listed on a run's page
-WAITING = "waiting"
+# The progress bar's segment of pending items held back (a retry not yet due, a full pool): not
+# ItemStatus.WAITING, an item waiting on its child run. Its key stays "waiting" (templates).
+HELD_BACK = "waiting"
 DONE = (
     ItemStatus.SUCCEEDED,
     ItemStatus.FAILED,
@@ -71,7 +73,7 @@ SEGMENTS = (
     "compensation_failed",
     "running",
     "compensating",
-    WAITING,
+    HELD_BACK,
     "pending",
     "cancelled",
 )
@@ -133,7 +135,7 @@ class Progress:
         out = {s: self.counts.get(s, 0) for s in SEGMENTS}
         # Items waiting on a child run (status "waiting") are under way: drawn as running.
         out[ItemStatus.RUNNING] += self.counts.get(ItemStatus.WAITING, 0)
-        out[WAITING] = self.held
+        out[HELD_BACK] = self.held
         out[ItemStatus.PENDING] -= self.held
         # Compensation's segments only where a run compensates.
         for status in (ItemStatus.COMPENSATING, ItemStatus.COMPENSATED, "compensation_failed"):
@@ -191,10 +193,6 @@ class Progress:
     def _hold(self, reason: str, n: int) -> None:
         if n:
             self.waiting[reason] = self.waiting.get(reason, 0) + n
-
-
-# run_fanout's watch loop knows it by this name.
-Snapshot = Progress
 
 
 def progress_of(
@@ -275,8 +273,6 @@ CLASSIC_STATUSES = ("pending", "running", "succeeded", "failed", "cancelled")
 def tree_report(run: BatchRun) -> dict[str, Any]:
     """For a run with child runs (Item.spawn): how many runs its tree has and their items'
     counts per status, summed over every level."""
-    from .nest import descendants
-
     below = descendants(run.pk)
     if not below:
         return {}

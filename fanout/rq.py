@@ -3,12 +3,10 @@
 PostgreSQL stays the source of truth; RQ only carries wake-ups. A drain job's threads serve
 every open run of its queue, the run that woke them first (fanout.worker.Roam): the item, not
 the run, is the unit of scheduling, so a process never idles while a run of its queue has an
-admissible item, and the job leaves when none has. Each run has ``slots`` drain
-slots; a slot is taken with an atomic ``SET NX`` on a Redis key that a live drain job keeps
-fresh, so two parents dispatching at once enqueue one job per slot, and a slot whose job was
-lost (Redis flushed, worker killed) frees itself when the key expires and is filled again by
-the next dispatch. A duplicated wake-up is harmless: every item is still claimed in the
-database, under max_parallel and the pools' limits.
+admissible item, and the job leaves when none has. Each run has ``slots`` drain slots
+(fanout.queues enqueues the jobs and frees dead slots); a live job keeps its slot's key fresh.
+A duplicated wake-up is harmless: every item is still claimed in the database, under
+max_parallel and the pools' limits.
 """
 
 from __future__ import annotations
@@ -17,33 +15,32 @@ import logging
 import signal
 import threading
 import time
-import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from rq import SimpleWorker, get_current_job
 from rq.serializers import JSONSerializer
 
+from .actions import release
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, unknown_here
+from .discover import import_errors
 from .errors import DefinitionNotFound, FanoutError
 from .lease import Keepers
 from .models import BatchRun
-from .recover import release
-from .supervise import Supervisor, clear_stall, note_stall
+from .queues import ALIVE_TTL, drain_threads, enqueue_slot, get_queue, slot_key
+from .stall import clear_stall, note_stall
+from .supervise import Supervisor
 from .worker import SERVING, Roam, owner_name, serve_first
 
 logger = logging.getLogger("fanout")
 
-MAX_SLOTS = 64
-ALIVE_TTL = 10  # seconds a running drain job's slot key lives without renewal
 # A drain thread with nothing claimable and nothing due this soon returns, freeing its worker
 # (a parent run whose items wait on child runs must not hold the workers the children need).
 IDLE_EXIT_SECONDS = 2.0
-QUEUED_TTL = 600  # seconds a slot stays taken by a job that waits in the queue
 
 # Set while a FanoutWorker runs in this process: it supervises, so idle drains may leave.
 _supervising = threading.Event()
@@ -58,160 +55,6 @@ def _request_stop() -> None:
     _stop_requested.set()
     for stop in list(_running):
         stop.set()
-
-
-def slot_key(run_id: int, slot: int) -> str:
-    return f"fanout:drain:{run_id}:{slot}"
-
-
-def drain_threads(run: BatchRun, definition: FanOut) -> int:
-    """Items one drain job runs at once: FANOUT_WORKER_THREADS, no more than the run can use.
-
-    A batched definition (batch_size > 1) is one for cheap handlers, whose batches a thread
-    runs one after another: more threads would only take turns on the interpreter's lock, so
-    its drain jobs run one thread each and the run gets more drain jobs instead.
-    """
-    if definition.batch_size > 1:
-        return 1
-    return max(1, min(int(conf.WORKER_THREADS), run.max_parallel))
-
-
-def default_slots(run: BatchRun, definition: FanOut) -> int:
-    """Drain jobs for a run: enough threads for max_parallel, and two where the run can use
-    more than one thread, so that two worker processes share a run from its start."""
-    per_thread = max(1, definition.batch_size)
-    threads = drain_threads(run, definition)
-    needed = -(-run.max_parallel // (per_thread * threads))
-    usable = -(-run.max_parallel // per_thread)
-    return max(1, min(MAX_SLOTS, 16, max(needed, min(2, usable))))
-
-
-def get_queue(definition: FanOut) -> Any:
-    import django_rq
-
-    try:
-        return django_rq.get_queue(definition.queue, serializer=JSONSerializer)
-    except ImproperlyConfigured:
-        raise FanoutError(
-            f"RQ_QUEUES is not set, so fan-out {definition.name!r} has no queue "
-            f'{definition.queue!r}: add RQ_QUEUES = {{"{definition.queue}": {{"URL": REDIS_URL}}}} '
-            "to the settings, or use --executor inline"
-        ) from None
-    except KeyError:
-        raise FanoutError(
-            f"RQ_QUEUES has no queue {definition.queue!r} for fan-out {definition.name!r}: "
-            f'add "{definition.queue}": {{"URL": REDIS_URL}} to RQ_QUEUES'
-        ) from None
-
-
-def enqueue_drains(run: BatchRun, definition: FanOut, slots: int | None = None) -> int:
-    """Fill the run's empty drain slots with jobs, after the current transaction commits."""
-    if slots is not None and not 1 <= slots <= MAX_SLOTS:
-        raise FanoutError(f"workers must be between 1 and {MAX_SLOTS}, got {slots}")
-    queue = get_queue(definition)
-    count = slots or default_slots(run, definition)
-    enqueued = 0
-    try:
-        for slot in range(count):
-            enqueued += _enqueue_slot(queue, run.pk, slot)
-    except RedisError as exc:
-        raise FanoutError(
-            f"Redis is not reachable for queue {definition.queue!r} ({exc}); "
-            f"run {run.pk} is saved: "
-            f"start Redis and resume it with run_fanout --resume {run.pk}, or use --executor inline"
-        ) from None
-    return enqueued
-
-
-def _enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
-    taken: list[str] = []
-
-    def enqueue() -> None:
-        job_id = f"fanout-drain-{run_id}-{slot}-{uuid.uuid4().hex[:12]}"
-        if not queue.connection.set(slot_key(run_id, slot), job_id, nx=True, ex=QUEUED_TTL):
-            return  # a job holds this slot, queued or running
-        queue.enqueue_call(
-            "fanout.rq.drain_job",
-            args=(run_id, slot),
-            job_id=job_id,
-            # No job timeout: an item may run for hours, and a timeout raised inside the job
-            # would cut it off. A drain claims nothing after FANOUT_DRAIN_SECONDS, and its
-            # items are bounded by the definition's timeout= (past it they are reclaimed).
-            timeout=-1,
-            result_ttl=300,
-            failure_ttl=86400,
-            description=f"fanout: drain run {run_id} (slot {slot})",
-        )
-        taken.append(job_id)
-
-    # Take the slot and enqueue only once the rows the job will look for are committed: a
-    # dispatch that is rolled back must not hold the slot for QUEUED_TTL with no job behind it.
-    transaction.on_commit(enqueue)
-    return len(taken)  # inside a transaction, 0 until it commits
-
-
-_DEAD_STATUSES = {b"failed", b"stopped", b"canceled", b"finished"}
-# What RQ's own maintenance writes when it fails a job that a dead or stopping worker left
-# behind (never started, or started and abandoned): nothing is misconfigured, the slot is
-# simply filled again.
-RQ_CLEANUP = ("Job was stuck in intermediate queue", "AbandonedJobError")
-
-
-def cleaned_up_by_rq(detail: str) -> bool:
-    return any(marker in detail for marker in RQ_CLEANUP)
-
-
-def reap_slots(run: BatchRun, definition: FanOut) -> list[str]:
-    """Free the run's slots whose job failed, ended or vanished; say why each failed job did.
-
-    A slot normally frees itself when its job ends, or within ALIVE_TTL when its worker dies;
-    a job that never ran our code (a worker that cannot deserialize it, say) would hold its
-    slot for QUEUED_TTL and leave nobody the wiser.
-    """
-    conn = get_queue(definition).connection
-    reasons = []
-    for key in conn.scan_iter(match=f"fanout:drain:{run.pk}:*", count=1000):
-        job_id = conn.get(key)
-        if job_id is None:
-            continue
-        job_key = b"rq:job:" + (job_id if isinstance(job_id, bytes) else job_id.encode())
-        status = conn.hget(job_key, "status")
-        if status == b"started" and conn.ttl(key) > ALIVE_TTL:
-            # Started but never beat (its worker may have died between dequeue and the first
-            # beat): a live job's beat keeps the key from now on; a dead one's frees it soon.
-            conn.expire(key, ALIVE_TTL)
-        if status is not None and status not in _DEAD_STATUSES:
-            continue  # queued or running
-        if conn.get(key) == job_id:
-            conn.delete(key)
-        if status in (b"failed", b"stopped"):
-            job_id = job_id.decode() if isinstance(job_id, bytes) else job_id
-            worker, detail = _job_failure(conn, job_id)
-            if cleaned_up_by_rq(detail):
-                logger.info("run %s: RQ failed drain job %s (%s)", run.pk, job_id, detail)
-                continue
-            reasons.append(
-                f"no worker could run {definition.name!r}: drain job {job_id} failed on worker "
-                f"{worker}: {detail} (workers must use fanout.rq.FanoutWorker or RQ's JSON "
-                "serializer)"
-            )
-    return reasons
-
-
-def _job_failure(conn: Any, job_id: str) -> tuple[str, str]:
-    """The worker that failed the job, and the last line of its error."""
-    from rq.job import Job
-
-    worker = conn.hget(f"rq:job:{job_id}", "worker_name") or b"?"
-    worker = worker.decode() if isinstance(worker, bytes) else worker
-    detail = "no error recorded"
-    try:
-        result = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
-        if result is not None and result.exc_string:
-            detail = result.exc_string.strip().splitlines()[-1]
-    except Exception as exc:  # the job's record is unreadable: say that instead
-        detail = f"its record could not be read ({type(exc).__name__})"
-    return worker, detail
 
 
 def _worker_stopping(job: Any, checked: list[float]) -> bool:
@@ -259,12 +102,38 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     if definition is None:
         return f"fan-out {run.definition!r} is unknown on host {host_name()}"
     clear_stall(run_id)
+    crew = _crew(run, definition, slot)
+    _stop_on_sigterm()
+    alive_ttl = _first_beat(job, key, definition)
+    if not _serve(job, key, alive_ttl, crew, run_id):
+        return "stopped: items released"
+    if "time budget spent" in crew.outcomes and not crew.stop.is_set():
+        _come_back(job, key, definition, run_id, slot)
+    return "; ".join(sorted(set(crew.outcomes))) or "crashed"
+
+
+@dataclass
+class _Crew:
+    """A drain job's threads and what they share: lease keepers, a stop, their outcomes."""
+
+    roams: list[Roam]
+    keepers: Keepers
+    stop: threading.Event
+    threads: list[threading.Thread]
+    outcomes: list[str]
+
+
+def _crew(run: BatchRun, definition: FanOut, slot: int) -> _Crew:
     keepers = Keepers()
     stop = threading.Event()
     roams = _roams(run, definition, slot, keepers, stop)
     outcomes: list[str] = []
-    threads = _threads(roams, outcomes, f"fanout-drain-{run_id}-{slot}")
-    _stop_on_sigterm()
+    threads = _threads(roams, outcomes, f"fanout-drain-{run.pk}-{slot}")
+    return _Crew(roams, keepers, stop, threads, outcomes)
+
+
+def _first_beat(job: Any, key: str, definition: FanOut) -> int:
+    """Beat with the job's own time to live, and return it."""
     # A lost job's slot must free itself before its items' leases run out, so that idle
     # workers are sent to reclaim them.
     alive_ttl = max(1, min(ALIVE_TTL, int(definition.lease_seconds)))
@@ -272,36 +141,39 @@ def _drain(job: Any, key: str, run_id: int, slot: int) -> str:
     # beat below for a while: cut it to alive_ttl now, before any item is claimed, or a worker
     # that dies in its first moments holds the slot for ALIVE_TTL, past its items' leases.
     _heartbeat(job, key, alive_ttl, force=True)
-    _running.add(stop)
+    return alive_ttl
+
+
+def _serve(job: Any, key: str, alive_ttl: int, crew: _Crew, run_id: int) -> bool:
+    """Run the crew's threads, beating, until they return (True), or until the worker stops
+    and the grace period runs out (False: finished items recorded, the rest released)."""
+    _running.add(crew.stop)
     try:
-        for thread in threads:
+        for thread in crew.threads:
             thread.start()
-        if not _watch(job, key, alive_ttl, threads, stop):
-            recorded, released = _give_back(roams, keepers)
+        if not _watch(job, key, alive_ttl, crew.threads, crew.stop):
+            recorded, released = _give_back(crew.roams, crew.keepers)
             logger.warning(
                 "run %s: worker stopping; recorded %d finished items, released %d unfinished",
                 run_id,
                 recorded,
                 released,
             )
-            return "stopped: items released"
+            return False
     except BaseException:
         # The worker is being shut down hard: give back what we hold before leaving. Items
         # whose handlers finished are recorded (by their threads within moments, or here);
         # the rest are released (no attempt used), and a late record of them is refused by
         # the fence.
-        stop.set()
-        for thread in threads:
+        crew.stop.set()
+        for thread in crew.threads:
             thread.join(1.0)
-        _give_back(roams, keepers)
+        _give_back(crew.roams, crew.keepers)
         raise
     finally:
-        _running.discard(stop)
-        keepers.stop()
-    result = "; ".join(sorted(set(outcomes))) or "crashed"
-    if "time budget spent" in outcomes and not stop.is_set():
-        _come_back(job, key, definition, run_id, slot)
-    return result
+        _running.discard(crew.stop)
+        crew.keepers.stop()
+    return True
 
 
 def _definition_here(run: BatchRun) -> FanOut | None:
@@ -309,8 +181,6 @@ def _definition_here(run: BatchRun) -> FanOut | None:
     try:
         return get_definition(run.definition)  # only registered definitions ever run
     except DefinitionNotFound:
-        from .apps import import_errors
-
         reason = unknown_here(run.definition, host_name())
         for module, error in import_errors().items():
             reason += f"; {module} failed to import there: {error}"
@@ -413,7 +283,7 @@ def _come_back(job: Any, key: str, definition: FanOut, run_id: int, slot: int) -
     """Yield the RQ worker to other queued jobs, and come back behind them."""
     try:
         job.connection.delete(key)
-        _enqueue_slot(get_queue(definition), run_id, slot)
+        enqueue_slot(get_queue(definition), run_id, slot)
     except (RedisError, FanoutError) as exc:
         logger.warning("run %s: could not re-enqueue slot %s: %s", run_id, slot, exc)
 

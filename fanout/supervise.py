@@ -32,19 +32,24 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 from redis.exceptions import RedisError
 
+from . import launch
 from .audit import audit
 from .clock import DbNow, db_now_plus
+from .compensate import finish, release_lost
 from .conf import conf, host_name
+from .definition import FanOut, get_definition, unknown_here
+from .errors import FanoutError
+from .join import maybe_join, resolve_waiting
+from .materialize import WritingInterrupted, materialize
 from .models import BatchRun, ItemClaim, RunStatus
 from .prune import prune_by_retention
+from .queues import enqueue_drains, get_queue, reap_slots
 from .sample import sample_run
+from .stall import STALL_BACKOFF, STALL_BACKOFF_MAX, clear_stall, note_stall
 
 logger = logging.getLogger("fanout")
 
 RUNS_PER_SWEEP = 20
-# A stalled run's re-dispatch is held back this long, doubled per re-dispatch, at most the cap.
-STALL_BACKOFF = 2.0
-STALL_BACKOFF_MAX = 60.0
 
 
 def take_runs(limit: int = RUNS_PER_SWEEP) -> list[int]:
@@ -73,15 +78,11 @@ def take_runs(limit: int = RUNS_PER_SWEEP) -> list[int]:
 
 def tend(run_id: int) -> str:
     """Look after one run; say what was done (for logs and tests)."""
-    from .join import maybe_join
-
     run = BatchRun.objects.filter(pk=run_id).first()
     if run is None or run.is_terminal:
         return "nothing: the run is over"
     if run.status == RunStatus.PENDING:
         return _tend_writing(run)
-    from .nest import resolve_waiting
-
     resolve_waiting(run_id)  # children that ended while nobody decided their parent item
     if run.status == RunStatus.COMPENSATING:
         return _tend_compensation(run)
@@ -102,11 +103,6 @@ def _tend_writing(run: BatchRun) -> str:
     The work list is deterministic and the items' keys unique, so a second writer adds what
     the first did not commit, and nothing twice.
     """
-    from .definition import get_definition, unknown_here
-    from .dispatch import dispatch
-    from .errors import FanoutError
-    from .materialize import WritingInterrupted, materialize
-
     try:
         definition = get_definition(run.definition)
     except FanoutError:
@@ -117,36 +113,45 @@ def _tend_writing(run: BatchRun) -> str:
         held = _writing_hold(run, definition)
         if held:
             return f"stalled: writing held back {held:.1f} s more"
-    try:
-        run = materialize(run, definition, wait=False)
-    except WritingInterrupted as exc:
-        if exc.transient:
-            logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
-            return f"not written: {exc}"
-        # The database refuses it the same way however often it is asked: say so on the run,
-        # and write it again only after the stall's backoff.
-        note_stall(run.pk, f"{exc} (on host {host_name()})")
-        return f"stalled: {exc}"
-    except FanoutError as exc:
-        logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
-        return f"not written: {exc}"
+    run, why_not = _write(run, definition)
+    if why_not:
+        return why_not
     if run.status == RunStatus.PENDING:
         return "nothing: another writer holds it"
     if stalled and run.stalled:
         clear_stall(run.pk)  # written: a drain's stall is noted afresh if one comes
         run.stalled = ""
+    return _dispatch_written(run, definition)
+
+
+def _write(run: BatchRun, definition: FanOut) -> tuple[BatchRun, str]:
+    """Write the rest of the run's work list; return the run, and why not if it was not."""
+    try:
+        return materialize(run, definition, wait=False), ""
+    except WritingInterrupted as exc:
+        if exc.transient:
+            logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
+            return run, f"not written: {exc}"
+        # The database refuses it the same way however often it is asked: say so on the run,
+        # and write it again only after the stall's backoff.
+        note_stall(run.pk, f"{exc} (on host {host_name()})")
+        return run, f"stalled: {exc}"
+    except FanoutError as exc:
+        logger.warning("run %s: could not finish writing its items: %s", run.pk, exc)
+        return run, f"not written: {exc}"
+
+
+def _dispatch_written(run: BatchRun, definition: FanOut) -> str:
     if run.executor == "rq":
         return f"written; {redispatch(run)}"
     if run.parent_item_id is not None:
         # An inline child run: its parent item waits for it, and its writer is gone.
-        dispatch(run, definition, "inline")
+        launch.dispatch(run, definition, "inline")
         return "written; dispatched here"
     return "written: carried by its parent"
 
 
 def _tend_compensation(run: BatchRun) -> str:
-    from .compensate import finish, release_lost
-
     release_lost(run.pk)  # forward items whose workers died hold it up otherwise
     if finish(run.pk):
         return "compensation finished"
@@ -160,10 +165,6 @@ def _tend_compensation(run: BatchRun) -> str:
 
 def redispatch(run: BatchRun) -> str:
     """Free the run's dead drain slots, record why they died, and fill the empty ones."""
-    from .definition import get_definition, unknown_here
-    from .errors import FanoutError
-    from .rq import enqueue_drains, get_queue, reap_slots
-
     try:
         definition = get_definition(run.definition)
     except FanoutError:
@@ -212,35 +213,11 @@ def _writing_hold(run: BatchRun, definition: Any) -> float:
 
     Without Redis for the definition's queue (an inline executor's host), the run's next
     supervision is put off by the longest backoff instead, by the database's clock."""
-    from .errors import FanoutError
-    from .rq import get_queue
-
     try:
         return _stall_hold(get_queue(definition).connection, run.pk, True)
     except (FanoutError, RedisError):
         BatchRun.objects.filter(pk=run.pk).update(tended_until=db_now_plus(STALL_BACKOFF_MAX))
         return 0.0
-
-
-def note_stall(run_id: int, reason: str) -> None:
-    """Say on the run why no worker could run it; cleared once one does. Logged once per
-    stall (by whoever writes it first), not on every re-dispatch that meets it again."""
-    reason = reason[:4000]
-    if BatchRun.objects.filter(pk=run_id, stalled="").update(stalled=reason):
-        logger.error(
-            "run %s stalls: %s; re-dispatched with backoff (%g s, doubling up to %g s) until "
-            "a worker runs it",
-            run_id,
-            reason,
-            STALL_BACKOFF,
-            STALL_BACKOFF_MAX,
-        )
-        return
-    BatchRun.objects.filter(pk=run_id).exclude(stalled=reason).update(stalled=reason)
-
-
-def clear_stall(run_id: int) -> None:
-    BatchRun.objects.filter(pk=run_id).exclude(stalled="").update(stalled="")
 
 
 def sweep() -> list[tuple[int, str]]:

@@ -23,8 +23,8 @@ from rich.progress import Progress as Bar
 from rich.table import Column
 from rich.text import Text
 
+from . import report
 from .models import ItemStatus
-from .report import Snapshot
 
 _UNCUT = 100_000  # columns: wider than any line
 _ORDER = (
@@ -96,7 +96,7 @@ class Progress:
         line.no_wrap, line.overflow = False, "fold"
         yield line
 
-    def show(self, snap: Snapshot, final: bool = False) -> None:
+    def show(self, snap: report.Progress, final: bool = False) -> None:
         """Show ``snap``; ``final`` leaves the last line on the screen, once."""
         self._update(snap)
         if self.isatty:
@@ -116,7 +116,7 @@ class Progress:
             self._last_print, self._last_line = now, line.get()
             self.console.file.write(line.get())
 
-    def _update(self, snap: Snapshot) -> None:
+    def _update(self, snap: report.Progress) -> None:
         total = snap.total or snap.run.total_items
         counts = " ".join(f"{s.label.lower()} {snap.counts[s]}" for s in _ORDER if snap.counts[s])
         self._detail = " | ".join(part for part in (*holds(snap), counts) if part)
@@ -130,7 +130,7 @@ class Progress:
         self.bar.update(self._task, rate=f"{speed:.1f} items/s" if speed else "")
 
 
-def holds(snap: Snapshot) -> list[str]:
+def holds(snap: report.Progress) -> list[str]:
     """What holds the run up, the limit that binds first: why its claimable items are not
     running (max_parallel, busy workers, a stall), then the held items per reason, the largest
     group first (a pool full or rate limited, a retry not yet due)."""

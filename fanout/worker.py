@@ -17,19 +17,18 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
-from . import spend
+from . import compensate, spend
+from .call import execute
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, registered
 from .errors import FanoutError, is_transient
-from .join import maybe_join
+from .join import maybe_join, settle_up
 from .lease import Keepers, LeaseKeeper
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
-from .nest import settle_up
 from .record import Recorded, record
-from .run import execute
 from .signals import item_finished, pool_throttled, send
-from .supervise import note_stall
+from .stall import note_stall
 from .telemetry import claim_took, item_spans, items_finished
 from .transitions import (
     RELEASED,
@@ -215,12 +214,11 @@ class Drain:
         self._idle_since: float | None = None
         self._spans = item_spans(self.run_id, self.definition.name)
         while True:
-            if self.stop.is_set() or (
-                self.deadline is not None and time.monotonic() >= self.deadline
-            ):
+            ended = self._ended()
+            if ended:
                 if batch is not None:
                     self._settle(batch)
-                return "stopped" if self.stop.is_set() else "time budget spent"
+                return ended
             # With DEBUG on, Django keeps every query's SQL; a long drain must not pile it up.
             connection.queries_log.clear()
             if batch is not None and self._can_hand_over(batch):
@@ -238,45 +236,64 @@ class Drain:
             result = self._claim(batch)
             if result is None:
                 continue  # the database went away and came back: the batch is re-recorded
-            batch = None
-            if result.items:
-                self._idle_since = None
-                assert result.token is not None
-                batch = Batch(result.token, result.items, result.failure_policy)
-                self.keeper.hold(batch.token, [i.pk for i in batch.items])
-                self._execute(batch)
-                continue
-            if result.crashed_out:
-                self._db(lambda: maybe_join(self.run_id, self.definition))
-            if result.run_status == RunStatus.COMPENSATING and self.definition.compensate:
-                from . import compensate
+            batch = self._started(result)
+            if batch is None:
+                left = self._nothing_claimed(result)
+                if left:
+                    return left
 
-                return compensate.drain(
-                    self.definition,
-                    self.run_id,
-                    self.owner,
-                    self.stop,
-                    self.deadline,
-                    ran=self._count,
-                    leave_when_idle=self.roam,
-                    keeper=self.keeper,
-                )
-            if result.run_status == RunStatus.JOINING:
-                if self.roam:
-                    return "run joining"
-                self._idle(result)  # it may yet compensate, with every worker's help
-                continue
-            if not result.run_open:
-                return f"run {result.run_status}"
-            unfinished = self._db(
-                lambda: ItemClaim.objects.filter(run_id=self.run_id).unfinished().exists()
+    def _ended(self) -> str:
+        """Why the drain stops now ("stopped", "time budget spent"), or ""."""
+        if self.stop.is_set():
+            return "stopped"
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "time budget spent"
+        return ""
+
+    def _started(self, result: ClaimResult) -> Batch | None:
+        """Run what the claim took, under a lease; its outcomes wait for the next claim."""
+        if not result.items:
+            return None
+        self._idle_since = None
+        assert result.token is not None
+        batch = Batch(result.token, result.items, result.failure_policy)
+        self.keeper.hold(batch.token, [i.pk for i in batch.items])
+        self._execute(batch)
+        return batch
+
+    def _nothing_claimed(self, result: ClaimResult) -> str:
+        """The claim took nothing: why the drain leaves (the run compensates, joins, ended, or
+        had nothing for too long), or "" once it has waited for the next claim."""
+        if result.crashed_out:
+            self._db(lambda: maybe_join(self.run_id, self.definition))
+        if result.run_status == RunStatus.COMPENSATING and self.definition.compensate:
+            return compensate.drain(
+                self.definition,
+                self.run_id,
+                self.owner,
+                self.stop,
+                self.deadline,
+                ran=self._count,
+                leave_when_idle=self.roam,
+                keeper=self.keeper,
             )
-            if unfinished is False:
-                self._db(lambda: maybe_join(self.run_id, self.definition))
-                continue  # the next claim sees how it ended (or that it compensates)
-            if self._idle_too_long(result):
-                return "idle: nothing claimable"
-            self._idle(result)
+        if result.run_status == RunStatus.JOINING:
+            if self.roam:
+                return "run joining"
+            self._idle(result)  # it may yet compensate, with every worker's help
+            return ""
+        if not result.run_open:
+            return f"run {result.run_status}"
+        unfinished = self._db(
+            lambda: ItemClaim.objects.filter(run_id=self.run_id).unfinished().exists()
+        )
+        if unfinished is False:
+            self._db(lambda: maybe_join(self.run_id, self.definition))
+            return ""  # the next claim sees how it ended (or that it compensates)
+        if self._idle_too_long(result):
+            return "idle: nothing claimable"
+        self._idle(result)
+        return ""
 
     def _execute(self, batch: Batch) -> None:
         self.batch = batch
@@ -628,20 +645,28 @@ class Roam:
             due_soon |= drain.retry_in is not None and drain.retry_in <= self.idle_exit
         return False, due_soon
 
-    def _serve(self, run: dict[str, Any], alone: bool) -> Drain | None:
-        try:
-            definition = get_definition(run["definition"])
-        except FanoutError:
-            return None  # gone from this process's registry: not ours to run
-        params = _params.get(run["pk"])
+    def _params(self, run_id: int) -> dict[str, Any] | None:
+        """The run's params, read once per process (a few runs' worth kept); None if the
+        database is away."""
+        params = _params.get(run_id)
         if params is None:
-            rows = BatchRun.objects.filter(pk=run["pk"]).values_list("params", flat=True)
+            rows = BatchRun.objects.filter(pk=run_id).values_list("params", flat=True)
             params = self._look(rows.first)
             if params is None:
                 return None
             if len(_params) > CANDIDATES * 4:
                 _params.clear()
-            _params[run["pk"]] = params
+            _params[run_id] = params
+        return params
+
+    def _serve(self, run: dict[str, Any], alone: bool) -> Drain | None:
+        try:
+            definition = get_definition(run["definition"])
+        except FanoutError:
+            return None  # gone from this process's registry: not ours to run
+        params = self._params(run["pk"])
+        if params is None:
+            return None
         until = self.deadline if alone else min(self.deadline, time.monotonic() + SERVE_SECONDS)
         drain = Drain(
             run["pk"],

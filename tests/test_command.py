@@ -21,9 +21,9 @@ from django.core.management.base import OutputWrapper
 from django.test import override_settings
 from django.utils import timezone
 
+from fanout import report
 from fanout.definition import registered
 from fanout.models import BatchRun, CapacityPool, RunStatus
-from fanout.report import Snapshot
 from fanout.watch import Progress
 from tests import procs
 from tests.conftest import executions, keys
@@ -268,12 +268,12 @@ def test_retry_failed_from_the_command_line_reruns_only_the_failed_items(
     assert (run.status, run.join_runs) == (RunStatus.SUCCEEDED, 2)
 
 
-def snapshots(total: int) -> list[Snapshot]:
+def snapshots(total: int) -> list[report.Progress]:
     """A run's progress from start to end, with a long reason why items wait."""
     run = BatchRun(pk=7, definition="t_collect", status=RunStatus.RUNNING, total_items=total)
     waiting = {"payments: pool full (3/3)": 40, "account-0042: rate limited": 12}
     steps = [
-        Snapshot(
+        report.Progress(
             run,
             timezone.now(),
             {"succeeded": d, "failed": 1, "running": 3, "pending": total - d - 4, "cancelled": 0},
@@ -284,7 +284,7 @@ def snapshots(total: int) -> list[Snapshot]:
     done = BatchRun(pk=7, definition="t_collect", status=RunStatus.SUCCEEDED, total_items=total)
     return [
         *steps,
-        Snapshot(
+        report.Progress(
             done,
             timezone.now(),
             {"succeeded": total - 1, "failed": 1, "running": 0, "pending": 0, "cancelled": 0},

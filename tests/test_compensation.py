@@ -197,7 +197,7 @@ def test_a_run_cancelled_while_it_is_being_joined_stays_cancelled(name: str, fai
     # Every item ended, a joiner was elected, and then an operator (or a failing-fast parent)
     # cancels the run before the joiner records its verdict: the cancel stands.
     from fanout import join
-    from fanout.recover import cancel_run
+    from fanout.actions import cancel_run
 
     run = prepare_run(get_definition(name), {"n": 2}, uuid.uuid4().hex)
     for item in ItemClaim.objects.filter(run=run):

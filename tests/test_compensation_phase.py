@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from fanout import compensate
+from fanout.actions import release
 from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import release
 from tests.procs import wait_until
 from tests.rq.conftest import _descendants, processes, redis, redis_url  # noqa: F401
 from tests.rq.support import describe_runs
@@ -165,7 +165,7 @@ def test_a_compensation_refused_by_a_paused_pool_is_not_claimed_again_at_once() 
 
 
 def test_a_stopping_worker_gives_its_compensation_back_as_it_gives_an_item_back() -> None:
-    # A stopping worker releases what it holds (recover.release): an item goes back to pending
+    # A stopping worker releases what it holds (actions.release): an item goes back to pending
     # with no crash counted, and so must a compensation go back to due, its slots given up,
     # not stay held until its lease runs out and then be taken over as a crash.
     CapacityPool.objects.create(name=SHARED_POOL, max_concurrency=2)

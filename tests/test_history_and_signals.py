@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from fanout.actions import retry_failed
 from fanout.claim import claim
 from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus
-from fanout.recover import retry_failed
 from fanout.signals import item_finished, pool_throttled, run_finished, run_started
 from tests.conftest import prepare, start
 from tests.testapp.fanouts_pools import THROTTLE_POOL

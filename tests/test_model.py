@@ -1,9 +1,9 @@
 """A model of item and run transitions: Hypothesis drives fanout's own functions in random orders.
 
-Simulated workers claim (``claim.claim``), run handlers (``run.execute``) that succeed, raise,
+Simulated workers claim (``claim.claim``), run handlers (``call.execute``) that succeed, raise,
 refuse for good, are throttled or spawn a child run, and record through the three paths a drain
 takes (``hand_over``, a claim that records first, ``record`` alone). They die (their leases forced
-into the past), stop gracefully (``recover.release``), compensate (``compensate.claim/record``).
+into the past), stop gracefully (``actions.release``), compensate (``compensate.claim/record``).
 Operators cancel (with or without compensation), retry failed items, pause, resume, lower and
 raise pool limits; writers die mid-work-list; supervisors sweep; time passes by whole tokens of
 the rated pool. Two or three runs share two pools, one of them rate-limited with a small burst.
@@ -47,11 +47,13 @@ from hypothesis.stateful import (
 )
 
 from fanout import compensate, supervise
+from fanout.actions import cancel_run, check_retryable, release, retry_failed
+from fanout.call import execute
 from fanout.claim import _expired_checked, claim
 from fanout.clock import db_now, db_now_plus
 from fanout.definition import FanOut, Item, get_definition
 from fanout.errors import FanoutError, PermanentError, Throttled
-from fanout.join import maybe_join
+from fanout.join import maybe_join, settle_up
 from fanout.lease import LeaseKeeper
 from fanout.materialize import create_run, materialize
 from fanout.models import (
@@ -62,11 +64,8 @@ from fanout.models import (
     ItemStatus,
     RunStatus,
 )
-from fanout.nest import settle_up
 from fanout.pools import refill
 from fanout.record import record
-from fanout.recover import cancel_run, check_retryable, release, retry_failed
-from fanout.run import execute
 from fanout.transitions import SPAWNED, ClaimedItem, can_hand_over, hand_over
 from fanout.worker import Drain, _expired_asked, _gate
 from tests.rq.conftest import redis, redis_url  # noqa: F401 - child runs are dispatched to RQ

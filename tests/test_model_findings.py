@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from fanout.actions import cancel_run
+from fanout.call import execute
 from fanout.claim import claim
 from fanout.clock import db_now_plus
 from fanout.definition import get_definition
@@ -25,8 +27,6 @@ from fanout.models import (
     RunStatus,
 )
 from fanout.record import record
-from fanout.recover import cancel_run
-from fanout.run import execute
 from tests.rq.conftest import redis, redis_url  # noqa: F401 - runs here are RQ runs
 from tests.test_model import (
     DYING_WRITERS,

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from fanout.actions import cancel_run, retry_failed
 from fanout.definition import get_definition
 from fanout.dispatch import resume
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import cancel_run, retry_failed
 from tests.procs import other_sessions, wait_until
 from tests.testapp.models import Execution
 

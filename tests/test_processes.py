@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
+from fanout.actions import release
 from fanout.claim import claim
 from fanout.definition import get_definition
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import release
 from tests import procs
 from tests.conftest import executions, items, keys
 from tests.testapp.models import Execution, Observation

@@ -14,13 +14,13 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection, transaction
 
+from fanout.actions import cancel_run, retry_failed
 from fanout.audit import measure_pool
 from fanout.claim import claim
 from fanout.definition import get_definition
 from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, RunStatus
 from fanout.prune import prune_by_retention, prune_tree, take
 from fanout.record import record
-from fanout.recover import cancel_run, retry_failed
 from fanout.supervise import Supervisor
 from fanout.transitions import SUCCEEDED, ExecutionOutcome
 from tests.conftest import prepare, start

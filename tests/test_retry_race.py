@@ -7,16 +7,16 @@ import threading
 import pytest
 from django.db import connection, connections, transaction
 
+from fanout.actions import cancel_run, check_retryable, retry_failed
 from fanout.claim import claim, lock_run
 from fanout.definition import get_definition
 from fanout.errors import FanoutError
 from fanout.join import maybe_join
 from fanout.materialize import create_run, materialize
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.nest import CHILD_FAILED, child_run_key
+from fanout.nest import child_run_key
 from fanout.record import FAILED, ExecutionOutcome, record
-from fanout.recover import cancel_run, check_retryable, retry_failed
-from fanout.transitions import SPAWNED
+from fanout.transitions import CHILD_FAILED, SPAWNED
 from tests.conftest import items, prepare
 from tests.procs import wait_until
 

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
+from fanout.actions import retry_failed
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, resume
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import retry_failed
 from fanout.report import final_report
 from tests.conftest import executions, items, keys, start
 from tests.testapp.models import Execution, Observation

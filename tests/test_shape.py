@@ -151,3 +151,220 @@ def test_the_sql_fast_paths_are_the_only_sql_that_sets_a_status() -> None:
     )
 
     assert sql and all(name.startswith(SQL_HOMES) for name in sql), sql
+
+
+# Layers: every fanout module imports downward only, at its top. A module that needs a lazy
+# import of another to avoid a circle is in the wrong layer: move the code, not the import.
+
+# Django imports the AppConfig's module before the models load, so it imports the modules that
+# use them in ready(): the one place a fanout module may import another inside a function.
+APP_CONFIG = "fanout.apps"
+# Optional extras a module may load inside a function, so that fanout imports without them.
+EXTRAS = ("opentelemetry", "prometheus_client")
+# Function-level imports still to move to the top of their modules, by module: none of them
+# closes a circle (test_no_fanout_module_is_part_of_an_import_cycle counts them).
+STRAY_IMPORTS: dict[str, int] = {
+    "fanout.admin.runs": 1,
+    "fanout.checks": 5,
+    "fanout.definition": 5,
+    "fanout.management.commands.run_fanout": 1,
+    "fanout.telemetry": 5,
+}
+# The core: the protocol's rows, clock, limits, transitions, claim, record and join. It
+# imports nothing from the layers above it (executors, composition, observation, admin,
+# commands), which fanout.launch lets start runs for it.
+CORE = {
+    "fanout.backends",
+    "fanout.backends.base",
+    "fanout.backends.mysql",
+    "fanout.backends.postgresql",
+    "fanout.backends.sqlite",
+    "fanout.claim",
+    "fanout.clock",
+    "fanout.conf",
+    "fanout.cost",
+    "fanout.definition",
+    "fanout.discover",
+    "fanout.errors",
+    "fanout.join",
+    "fanout.launch",
+    "fanout.lease",
+    "fanout.models",
+    "fanout.nest",
+    "fanout.pools",
+    "fanout.record",
+    "fanout.signals",
+    "fanout.spend",
+    "fanout.stall",
+    "fanout.text",
+    "fanout.transitions",
+    "fanout.transitions.items",
+    "fanout.transitions.runs",
+}
+
+
+def module_sources() -> dict[str, str]:
+    """{dotted module name: source} of every module of fanout but its migrations."""
+    found = {}
+    for path in sorted(FANOUT.rglob("*.py")):
+        parts = list(path.relative_to(FANOUT.parent).with_suffix("").parts)
+        if "migrations" in parts:
+            continue
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path.read_text()
+    return found
+
+
+def _is_type_checking(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and (
+        (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+        or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+    )
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, package: bool) -> list[str]:
+    """The dotted names an import may bring in: ``from .a import b`` brings in ``fanout.a.b``
+    if that is a module, else ``fanout.a`` (the caller keeps the modules that exist)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")
+        parts = parts[: len(parts) - node.level + (1 if package else 0)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [f"{base}.{alias.name}" for alias in node.names] + [base]
+
+
+Found = Iterator[tuple[int, list[str], str | None]]
+
+
+def imports(module: str, source: str, package: bool = False) -> Found:
+    """(line, the names it may bring in, enclosing function or None) of each import outside
+    ``if TYPE_CHECKING:`` blocks."""
+
+    def walk(node: ast.AST, function: str | None) -> Found:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                yield child.lineno, _targets(child, module, package), function
+            inner = (
+                child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else None
+            )
+            yield from walk(child, inner or function)
+
+    yield from walk(ast.parse(source), None)
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """{module: the fanout modules it imports, at its top or inside a function}."""
+    graph: dict[str, set[str]] = {}
+    for module, source in sources.items():
+        package = f"{module}.__init__" in sources or _is_package(module)
+        graph[module] = {
+            _module_of(names, sources) for _, names, _ in imports(module, source, package)
+        } - {module, ""}
+    return graph
+
+
+def _module_of(names: list[str], sources: dict[str, str]) -> str:
+    """The first of an import's names that is a fanout module, or ""."""
+    return next((name for name in names if name in sources), "")
+
+
+def _is_package(module: str) -> bool:
+    return (FANOUT.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def function_imports(sources: dict[str, str]) -> dict[str, list[str]]:
+    """{module: "line: function imports name"} of imports of fanout modules inside functions,
+    but the AppConfig's and the optional extras'."""
+    found: dict[str, list[str]] = {}
+    for module, source in sources.items():
+        if module == APP_CONFIG:
+            continue
+        for line, names, function in imports(module, source, _is_package(module)):
+            name = _module_of(names, sources)
+            if function is not None and name and name.split(".")[0] not in EXTRAS:
+                found.setdefault(module, []).append(f"{line}: {function} imports {name}")
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_fanout_module_imports_another_inside_a_function() -> None:
+    found = function_imports(module_sources())
+    counts = {module: len(lines) for module, lines in found.items()}
+
+    assert counts == STRAY_IMPORTS, f"fanout modules imported inside functions: {found}"
+
+
+def test_no_fanout_module_is_part_of_an_import_cycle() -> None:
+    # Function-level imports count: a lazy import hides a circle, it does not break it.
+    assert cycles(import_graph(module_sources())) == []
+
+
+def test_the_core_imports_nothing_from_the_layers_above_it() -> None:
+    graph = import_graph(module_sources())
+    upward = {module: sorted(graph.get(module, set()) - CORE) for module in sorted(CORE)}
+
+    assert {module: names for module, names in upward.items() if names} == {}
+
+
+PLANTED = {
+    "fanout.low": "from .high import lift\n",
+    "fanout.high": (
+        "from typing import TYPE_CHECKING\n"
+        "from . import low\n"
+        "if TYPE_CHECKING:\n"
+        "    from .top import Hint\n"
+        "def lift():\n"
+        "    from .top import way_up\n"
+        "    from opentelemetry import trace\n"
+        "    import json\n"
+    ),
+    "fanout.top": "import fanout.low\n",
+    "fanout.apps": "def ready():\n    from . import top\n",
+}
+
+
+def test_the_walk_finds_a_function_level_import_and_each_import_cycle() -> None:
+    # The checks above can fail: a planted lazy import is found (not the AppConfig's, not an
+    # extra, not one for type checking), and so are a top-level circle and one closed lazily.
+    assert function_imports(PLANTED) == {"fanout.high": ["6: lift imports fanout.top"]}
+    graph = import_graph(PLANTED)
+    assert graph["fanout.high"] == {"fanout.low", "fanout.top"}
+    assert cycles(graph) == [["fanout.high", "fanout.low", "fanout.top"]]
+    del graph["fanout.high"]  # without the lazy import of top (and low's of high), no circle
+    assert cycles(graph) == []

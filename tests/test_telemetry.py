@@ -27,11 +27,11 @@ from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from fanout import FanOut, Item, telemetry
+from fanout.actions import retry_failed
 from fanout.claim import claim
 from fanout.compensate import retry_failed_compensations
 from fanout.dispatch import resume
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus
-from fanout.recover import retry_failed
 from tests.conftest import keys, prepare, start
 from tests.testapp.fanouts_pools import BUSY_POOL
 

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from fanout import FanOut
+from fanout.actions import retry_failed
 from fanout.definition import get_definition
 from fanout.dispatch import InlineExecutor, prepare_run
 from fanout.errors import FanoutError
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import retry_failed
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)

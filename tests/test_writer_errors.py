@@ -11,12 +11,12 @@ import pytest
 from django.db import connection
 
 from fanout import supervise
+from fanout.actions import retry_failed
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.lease import LeaseKeeper
 from fanout.materialize import WritingInterrupted
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import retry_failed
 from fanout.worker import Drain
 from tests.rq.support import executions, finished_run
 from tests.testapp.fanouts_stuck import stuck_key

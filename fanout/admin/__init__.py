@@ -2,7 +2,7 @@
 which pool is saturated, and the actions that retry, cancel, release and re-dispatch.
 
 One module per model (runs, items, pools); every page reads what it shows in a fixed number of
-queries, and actions narrow their queryset to eligible rows and delegate to recover/dispatch.
+queries, and actions narrow their queryset to eligible rows and delegate to actions/dispatch.
 Fields written by workers are read-only: an item's status changes only through the actions.
 """
 

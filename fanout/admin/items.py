@@ -18,11 +18,11 @@ from django.utils import timezone
 from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 
-from .. import recover
+from .. import actions
+from ..actions import RETRYABLE_RUNS
 from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, ItemAttempt, ItemClaim, ItemStatus, RunStatus
-from ..recover import RETRYABLE_RUNS
 from ..text import human_duration, last_line, plural
 from ..waiting import why_items_wait
 from .common import (
@@ -342,7 +342,7 @@ class ItemClaimAdmin(FanoutAdmin):
         )
         if confirm := confirm_stranded(self, request, runs, "Retry selected failed items"):
             return confirm
-        retried = sum(recover.retry_failed(run, failed) for run in runs)
+        retried = sum(actions.retry_failed(run, failed) for run in runs)
         skipped = queryset.count() - retried
         text = f"{plural(retried, 'failed item')} back to pending."
         if skipped:
@@ -357,7 +357,7 @@ class ItemClaimAdmin(FanoutAdmin):
     def cancel_items(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
         pending = queryset.filter(status=ItemStatus.PENDING)
         run_ids = list(pending.values_list("run_id", flat=True).distinct().order_by())
-        cancelled = recover.cancel_items(pending)
+        cancelled = actions.cancel_items(pending)
         self.message_user(
             request,
             f"Cancelled {plural(cancelled, 'pending item')}.",
@@ -382,7 +382,7 @@ class ItemClaimAdmin(FanoutAdmin):
         permissions=["force_release"],
     )
     def force_release_leases(self, request: HttpRequest, queryset: QuerySet[ItemClaim]) -> None:
-        released = recover.force_release(queryset.filter(status=ItemStatus.RUNNING))
+        released = actions.force_release(queryset.filter(status=ItemStatus.RUNNING))
         self.message_user(
             request,
             f"Released {plural(released, 'lease')}: those items are pending again, and their "

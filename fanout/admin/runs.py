@@ -17,15 +17,15 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from .. import compensate, recover
+from .. import actions, compensate
+from ..actions import RETRYABLE_RUNS
 from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
-from ..recover import RETRYABLE_RUNS
 from ..report import (
     BAR_WIDTH,
+    HELD_BACK,
     SEGMENTS,
-    WAITING,
     Progress,
     failure_groups,
     progress_of,
@@ -466,7 +466,7 @@ class BatchRunAdmin(FanoutAdmin):
             return confirm
         retried = 0
         for run in runs:
-            count = recover.retry_failed(run)
+            count = actions.retry_failed(run)
             retried += count
             self.log_change(request, run, f"Retried {plural(count, 'failed item')}.")
         self.message_user(
@@ -481,7 +481,7 @@ class BatchRunAdmin(FanoutAdmin):
         runs = list(queryset.filter(status__in=CANCELLABLE_RUNS))
         cancelled_items = 0
         for run in runs:
-            cancelled_items += recover.cancel_run(run)
+            cancelled_items += actions.cancel_run(run)
             self.log_change(request, run, "Cancelled.")
         self.message_user(
             request,
@@ -497,7 +497,7 @@ class BatchRunAdmin(FanoutAdmin):
         done, refused = [], []
         for run in queryset.filter(status__in=CANCELLABLE_RUNS):
             try:
-                recover.cancel_run(run, compensate=True)
+                actions.cancel_run(run, compensate=True)
             except FanoutError as exc:
                 refused.append(f"run {run.pk}: {exc}")
                 continue
@@ -550,7 +550,7 @@ def _legend(run: BatchRun, counts: dict[str, int]) -> list[dict[str, Any]]:
         {
             "status": s,
             "n": counts[s],
-            "url": items_url(run=run.pk, status=HELD if s == WAITING else s),
+            "url": items_url(run=run.pk, status=HELD if s == HELD_BACK else s),
         }
         for s in SEGMENTS
         if s in counts

@@ -11,8 +11,8 @@ from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 from django.utils import timezone
 
+from fanout.actions import retry_failed
 from fanout.models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import retry_failed
 from fanout.report import snapshot
 
 from .helpers import action, make_run, messages_of, page_action, statuses

@@ -18,7 +18,7 @@ from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
 from fanout.errors import FanoutError
 from fanout.models import BatchRun, ItemClaim, ItemStatus
-from fanout.rq import default_slots, slot_key
+from fanout.queues import default_slots, slot_key
 from tests.rq.support import (
     assert_succeeded_once_each,
     drain_jobs,

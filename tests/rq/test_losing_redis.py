@@ -11,7 +11,7 @@ import pytest
 
 from fanout.definition import get_definition
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.rq import default_slots
+from fanout.queues import default_slots
 from tests.procs import other_sessions, wait_until
 from tests.rq.support import (
     assert_succeeded_once_each,

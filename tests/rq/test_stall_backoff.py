@@ -10,7 +10,7 @@ from rq.registry import FailedJobRegistry
 
 from fanout.definition import get_definition
 from fanout.models import BatchRun
-from fanout.rq import default_slots
+from fanout.queues import default_slots
 from fanout.supervise import STALL_BACKOFF
 from tests.procs import wait_until
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 
+from fanout.actions import cancel_run
 from fanout.claim import claim
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
-from fanout.recover import cancel_run
 from tests.conftest import prepare
 from tests.procs import wait_until
 from tests.testapp.models import Execution

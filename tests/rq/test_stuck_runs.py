@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from django.db import DatabaseError, connection
 
+from fanout.actions import cancel_run
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
-from fanout.recover import cancel_run
 from tests.procs import other_sessions, wait_until
 from tests.rq.support import describe_runs, executions, finished_run
 from tests.testapp.fanouts_stuck import stuck_key

@@ -15,7 +15,7 @@ import pytest
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from fanout.rq import get_queue
+from fanout.queues import get_queue
 from tests.procs import wait_until
 from tests.rq.support import finished_run
 

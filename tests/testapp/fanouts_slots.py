@@ -292,8 +292,8 @@ _compensating_group()
 
 def _cancelled_mid_write(params: dict[str, Any]) -> Any:
     """Yields ``n`` items; at ``cancel_at`` its run is cancelled, as its parent's cancel would."""
+    from fanout.actions import cancel_run
     from fanout.models import BatchRun
-    from fanout.recover import cancel_run
 
     for i in range(int(params["n"])):
         if i == int(params["cancel_at"]):

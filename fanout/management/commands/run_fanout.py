@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import InterfaceError, OperationalError, connection
 
+from fanout.actions import cancel_run, check_retryable, release, retry_failed
 from fanout.checks import DRIFT_SAID_BY_COMMAND, pools_named_by
 from fanout.definition import EXECUTORS, FanOut, get_definition, registered
 from fanout.dispatch import dispatch, prepare_run
@@ -23,7 +24,6 @@ from fanout.errors import EmptyWorkList, FanoutError
 from fanout.materialize import materialize
 from fanout.models import BatchRun, CapacityPool, ItemStatus, RunStatus
 from fanout.pools import settings_drift
-from fanout.recover import cancel_run, check_retryable, release, retry_failed
 from fanout.report import final_report, snapshot
 from fanout.supervise import tend
 from fanout.watch import Progress

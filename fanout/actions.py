@@ -1,4 +1,4 @@
-"""Recover: operator actions that give items back (retry failed, release) or stop a run."""
+"""Actions: what an operator does to a run: retry failed items, release claims, cancel it."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from django.db.models import QuerySet
 
 from . import transitions
 from .claim import lock_run
+from .compensate import begin
 from .definition import get_definition
 from .errors import FanoutError
+from .join import cancel, cancel_pending
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
-from .record import cancel_pending
-from .transitions import runs
+from .transitions import CHILD_FAILED, runs
 
 # Runs whose failed items may be retried: a pending run is still writing its items, and a
 # cancelled one was stopped by an operator, whom a retry must not overrule.
@@ -41,8 +42,6 @@ def retry_failed(run: BatchRun, items: QuerySet[ItemClaim] | None = None) -> int
     A finished run is reopened so its join runs again. Raises FanoutError, as
     check_retryable does, if the run is no longer retryable once its row is locked.
     """
-    from .nest import CHILD_FAILED
-
     qs = (items if items is not None else ItemClaim.objects.all()).filter(run_id=run.pk)
     with transaction.atomic():
         # Lock the run so a join cannot decide between our reopening and our items changing,
@@ -85,25 +84,11 @@ def cancel_run(
             raise FanoutError(f"fan-out {run.definition!r} has no compensate= to undo items with")
         with transaction.atomic():
             count = cancel_pending(run.pk, reason)
-            from .compensate import begin
-
             if not begin(run.pk, reason):
                 raise FanoutError(f"run {run.pk} is {run.status}: it cannot be compensated now")
         run.refresh_from_db()
         return count
-    with transaction.atomic():
-        updated = runs.cancel(run.pk, reason)
-        count = cancel_pending(run.pk, reason) if updated else 0
-    if updated:
-        from .nest import cancel_children, settle_up
-        from .signals import run_finished, send
-
-        cancel_children(run.pk, reason)
-        settle_up(run.pk)
-        run.refresh_from_db()
-        send(run_finished, BatchRun, run=run)
-    run.refresh_from_db()
-    return count
+    return cancel(run, reason)
 
 
 def cancel_items(items: QuerySet[ItemClaim], reason: str = "cancelled by an operator") -> int:

@@ -1,4 +1,4 @@
-"""Run: call the handler for one claimed item and turn what happened into an outcome."""
+"""Call: call the handler for one claimed item and turn what happened into an outcome."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from . import launch
 from .conf import conf
 from .definition import FanOut, Item, Spawn
 from .errors import FanoutError, PermanentError, Throttled
@@ -88,10 +89,8 @@ def _spawned(
     outcome: ExecutionOutcome, run_id: int, claimed: ClaimedItem, spawn: Spawn, began: float
 ) -> ExecutionOutcome:
     """The handler handed its item to a child run: start it (or find it) and wait for it."""
-    from .nest import start_child
-
     try:
-        child = start_child(run_id, claimed, spawn)
+        child = launch.start_child(run_id, claimed, spawn)
     except FanoutError as exc:
         outcome.kind, outcome.error_class, outcome.error = FAILED, "SpawnFailed", str(exc)
     else:
@@ -124,16 +123,7 @@ def execute(
 
     With ``undoing`` (the item's result, in a tuple), run its compensation instead: the same
     outcomes (Throttled, PermanentError, a retry with backoff), its value is not kept."""
-    item = Item(
-        key=claimed.key,
-        index=claimed.index,
-        payload=claimed.payload,
-        attempt=claimed.attempt,
-        run_id=run_id,
-        pool=claimed.pool,
-        params=params,
-        phase="forward" if undoing is None else COMPENSATION,
-    )
+    item = _item(run_id, params, claimed, undoing)
     outcome = ExecutionOutcome(pk=claimed.pk, key=claimed.key, kind=SUCCEEDED, pool=claimed.pool)
     outcome.accounted = definition.accounted and undoing is None  # a refund spends nothing
     began = time.monotonic()
@@ -143,44 +133,72 @@ def execute(
             definition.compensate(item, undoing[0])
             return _timed(outcome, claimed, began)
         value = _call(definition, item, outcome)
-    except Throttled as exc:
-        outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
-        outcome.error_class, outcome.error = "Throttled", storable_text(str(exc))
-    except PermanentError as exc:
-        outcome.kind, outcome.error_class, outcome.error = (
-            FAILED,
-            type(exc).__name__,
-            _describe(exc),
-        )
     except Exception as exc:
-        outcome.error_class, outcome.error = type(exc).__name__, _describe(exc)
-        attempts = definition.attempts_for(claimed.key)
-        if undoing is not None:
-            attempts = definition.max_attempts
-        if claimed.attempt < attempts:
-            outcome.kind = RETRY
-            outcome.retry_after = backoff(definition, claimed.attempt)
-        else:
-            outcome.kind = FAILED
+        _raised(outcome, exc, definition, claimed, undoing is not None)
     else:
         if isinstance(value, Spawn):
             return _spawned(outcome, run_id, claimed, value, began)
-        try:
-            text = json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            outcome.kind, outcome.error_class = FAILED, "ResultNotJSON"
-            outcome.error = f"the handler returned a value that is not JSON-serializable: {exc}"
-        else:
-            # Refused here rather than by the database when it is recorded: a permanent
-            # database error there stops the drain, and the item runs again once its lease ends.
-            problem = unstorable(value, text)
-            if problem:
-                outcome.kind, outcome.error_class = FAILED, "ResultNotStorable"
-                outcome.error = f"the handler's result cannot be stored: it holds {problem}"
-            else:
-                # Read back now so what is stored is exactly what the join will read back.
-                outcome.result = json.loads(text)
+        _returned(outcome, value)
     return _timed(outcome, claimed, began)
+
+
+def _item(
+    run_id: int, params: dict[str, Any], claimed: ClaimedItem, undoing: tuple[Any] | None
+) -> Item:
+    """What the handler (or the compensation) gets."""
+    return Item(
+        key=claimed.key,
+        index=claimed.index,
+        payload=claimed.payload,
+        attempt=claimed.attempt,
+        run_id=run_id,
+        pool=claimed.pool,
+        params=params,
+        phase="forward" if undoing is None else COMPENSATION,
+    )
+
+
+def _raised(
+    outcome: ExecutionOutcome,
+    exc: Exception,
+    definition: FanOut,
+    claimed: ClaimedItem,
+    undoing: bool,
+) -> None:
+    """The call raised: throttled, failed for good, or retried while attempts are left."""
+    if isinstance(exc, Throttled):
+        outcome.kind, outcome.retry_after = THROTTLED, exc.retry_after
+        outcome.error_class, outcome.error = "Throttled", storable_text(str(exc))
+        return
+    outcome.error_class, outcome.error = type(exc).__name__, _describe(exc)
+    if isinstance(exc, PermanentError):
+        outcome.kind = FAILED
+        return
+    attempts = definition.max_attempts if undoing else definition.attempts_for(claimed.key)
+    if claimed.attempt < attempts:
+        outcome.kind = RETRY
+        outcome.retry_after = backoff(definition, claimed.attempt)
+    else:
+        outcome.kind = FAILED
+
+
+def _returned(outcome: ExecutionOutcome, value: Any) -> None:
+    """The handler returned ``value``: kept as its result if it is JSON the database stores."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        outcome.kind, outcome.error_class = FAILED, "ResultNotJSON"
+        outcome.error = f"the handler returned a value that is not JSON-serializable: {exc}"
+        return
+    # Refused here rather than by the database when it is recorded: a permanent database
+    # error there stops the drain, and the item runs again once its lease ends.
+    problem = unstorable(value, text)
+    if problem:
+        outcome.kind, outcome.error_class = FAILED, "ResultNotStorable"
+        outcome.error = f"the handler's result cannot be stored: it holds {problem}"
+    else:
+        # Read back now so what is stored is exactly what the join will read back.
+        outcome.result = json.loads(text)
 
 
 def _timed(outcome: ExecutionOutcome, claimed: ClaimedItem, began: float) -> ExecutionOutcome:
