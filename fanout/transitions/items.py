@@ -525,19 +525,31 @@ def hand_over(
     """
     assert outcome.kind == SUCCEEDED, "only successes are handed over (see can_hand_over)"
     row = backend().hand_over(
-        [
-            outcome.pk,
-            token,
-            json.dumps(outcome.result) if outcome.result is not None else None,
-            outcome.elapsed,
-            run_id,
-            outcome.pool,
-            owner[:200],
-            new_token,
-            lease_seconds,
-        ]
+        _hand_over_args(run_id, token, outcome, owner, new_token, lease_seconds)
     )
     return HandOver(row.done, _next_item(row))
+
+
+def _hand_over_args(
+    run_id: int,
+    token: uuid.UUID,
+    outcome: ExecutionOutcome,
+    owner: str,
+    new_token: uuid.UUID,
+    lease_seconds: float,
+) -> list[Any]:
+    """The hand-over routines' arguments, in their order (the spend one adds its own after)."""
+    return [
+        outcome.pk,
+        token,
+        json.dumps(outcome.result) if outcome.result is not None else None,
+        outcome.elapsed,
+        run_id,
+        outcome.pool,
+        owner[:200],
+        new_token,
+        lease_seconds,
+    ]
 
 
 def _next_item(row: HandOverRow) -> ClaimedItem | None:
@@ -563,15 +575,7 @@ def hand_over_spending(
     # it moves (spend.after_hand_over), in one transaction.
     answer = backend().hand_over_spending(
         [
-            outcome.pk,
-            token,
-            json.dumps(outcome.result) if outcome.result is not None else None,
-            outcome.elapsed,
-            run_id,
-            outcome.pool,
-            owner[:200],
-            new_token,
-            lease_seconds,
+            *_hand_over_args(run_id, token, outcome, owner, new_token, lease_seconds),
             json.dumps(outcome.cost) if outcome.cost is not None else None,
             run_budget,
         ]
