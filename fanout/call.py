@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from . import launch
 from .conf import conf
+from .cost import from_answer
 from .definition import FanOut, Item, Spawn
 from .errors import FanoutError, PermanentError, Throttled
 from .transitions import (
@@ -139,6 +140,8 @@ def execute(
         if isinstance(value, Spawn):
             return _spawned(outcome, run_id, claimed, value, began)
         _returned(outcome, value)
+        if definition.cost_from is not None and outcome.cost is None:
+            _cost_from_answer(outcome, definition)
     return _timed(outcome, claimed, began)
 
 
@@ -199,6 +202,21 @@ def _returned(outcome: ExecutionOutcome, value: Any) -> None:
     else:
         # Read back now so what is stored is exactly what the join will read back.
         outcome.result = json.loads(text)
+
+
+def _cost_from_answer(outcome: ExecutionOutcome, definition: FanOut) -> None:
+    """A call whose handler reported nothing cost what its answer says (``cost_from=``)."""
+    if outcome.kind != SUCCEEDED:
+        return
+    assert definition.cost_from is not None
+    try:
+        cost = from_answer(definition.name, definition.cost_from, outcome.result)
+    except FanoutError as exc:
+        outcome.kind, outcome.error_class, outcome.error = FAILED, "CostNotReadable", str(exc)
+        outcome.result = None
+        return
+    if cost is not None:
+        outcome.cost, outcome.accounted = cost, True
 
 
 def _timed(outcome: ExecutionOutcome, claimed: ClaimedItem, began: float) -> ExecutionOutcome:

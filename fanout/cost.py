@@ -112,3 +112,21 @@ class Costing:
             raise FanoutError(
                 f"fan-out {self.name!r}: cost function raised for item {item.key!r}: {exc}"
             ) from exc
+
+
+def from_answer(name: str, cost_from: str | Callable[[Any], Any], answer: Any) -> Units | None:
+    """What a call cost by its answer (a definition's ``cost_from=``): the value under that
+    key of a dict answer, or what the function returns; None when it says nothing (no such
+    key, or None). Raises FanoutError when what it says is not a cost."""
+    if callable(cost_from):
+        try:
+            found = cost_from(answer)
+        except Exception as exc:
+            raise FanoutError(
+                f"fan-out {name!r}: cost_from raised for the handler's answer: {exc!r}"
+            ) from exc
+        what = f"fan-out {name!r}: cost_from's value"
+    else:
+        found = answer.get(cost_from) if isinstance(answer, Mapping) else None
+        what = f"fan-out {name!r}: cost_from={cost_from!r}"
+    return None if found is None else as_units(found, what)

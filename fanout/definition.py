@@ -16,6 +16,7 @@ from .launch import start_run
 from .options import (
     CALLABLE,
     COMPENSATE_ORDER,
+    COST_FROM,
     COUNT,
     FAILURE_POLICY,
     JOIN_MODE,
@@ -177,6 +178,8 @@ class FanOut:
     compensate_order: Option[str] = Option(COMPENSATE_ORDER)
     compensate_max_parallel: Option[int | None] = Option(COUNT, optional=True)
     host_max_parallel: Option[int | None] = Option(COUNT, optional=True)
+    # Where a call's cost is read from its answer when the handler did not report it.
+    cost_from: Option[str | Callable[[Any], Any] | None] = Option(COST_FROM, optional=True)
 
     def __init__(
         self,
@@ -209,6 +212,7 @@ class FanOut:
         allow_empty: bool = True,
         cost: Any = None,
         max_spend: Any = None,
+        cost_from: str | Callable[[Any], Any] | None = None,
     ) -> None:
         self.name = _checked_name(name)
         given = locals()  # the keywords, each checked as its Option above is set

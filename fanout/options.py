@@ -58,6 +58,10 @@ JOIN_MODES = ("all", "any")
 FAILURE_POLICY = _one_of(*FAILURE_POLICIES)
 JOIN_MODE = _one_of(*JOIN_MODES)
 PARAMS = Rule("a mapping of name to type", lambda v: isinstance(v, Mapping))
+COST_FROM = Rule(
+    "a key of the handler's answer (a dict) or a function of the answer",
+    lambda v: callable(v) or _name(v),
+)
 COMPENSATE_ORDER = Rule("'reverse' or 'parallel'", lambda v: v in ("reverse", "parallel"))
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from fanout import FanOut
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
+from fanout.errors import FanoutError
 from fanout.models import ItemClaim, RunStatus, SpendAccount
 from fanout.report import final_report, snapshot
 from tests.procs import wait_until
@@ -86,3 +88,43 @@ def test_a_run_held_by_its_budget_says_so_in_progress_and_in_the_json_report() -
     assert report["why"] == expected
     assert report["spend"]["spent"]["usd"] == pytest.approx(account.spent)
     assert report["spend"]["budgets"][0]["budget"] == 0.5
+
+
+def test_a_cost_read_from_the_handlers_answer_replaces_the_estimate() -> None:
+    run = get_definition("spend_billed_key").start({"n": 10}, max_spend={"usd": 100})
+    assert run.status == RunStatus.SUCCEEDED
+    items = {i.payload: i for i in ItemClaim.objects.filter(run=run)}
+    for n, item in items.items():
+        # The answer's "billed" is what the call cost; a handler that reported wins.
+        expected = 0.5 if n % 5 == 4 else 0.01 * (n % 5)
+        assert item.cost == {"usd": pytest.approx(expected)}, item.key
+    account = SpendAccount.objects.get(run=run, unit="usd")
+    assert account.spent == pytest.approx(sum(i.cost["usd"] for i in items.values()))
+    assert account.reserved == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_cost_function_of_the_answer_counts_without_an_estimate() -> None:
+    run = get_definition("spend_billed_function").start({"n": 10})
+    assert run.status == RunStatus.SUCCEEDED
+    items = {i.payload: i for i in ItemClaim.objects.filter(run=run)}
+    assert all(i.estimate is None for i in items.values())
+    for n, item in items.items():
+        expected = 0.5 if n % 5 == 4 else 0.02 * (n % 5)
+        assert item.cost == {"usd": pytest.approx(expected)}, item.key
+    account = SpendAccount.objects.get(run=run, unit="usd")
+    assert account.spent == pytest.approx(sum(i.cost["usd"] for i in items.values()))
+
+
+def test_an_answer_whose_cost_cannot_be_read_fails_its_item_saying_why() -> None:
+    run = get_definition("spend_billed_badly").start({"n": 3})
+    items = list(ItemClaim.objects.filter(run=run))
+    assert [i.status for i in items] == ["failed"] * 3
+    assert all(i.attempt == 1 and i.error_class == "CostNotReadable" for i in items)
+    assert "cost_from='billed'" in items[0].error
+    assert "usd" not in (items[0].cost or {})
+
+
+@pytest.mark.parametrize("cost_from", [3, "", ["usd"]])
+def test_cost_from_must_be_a_key_or_a_function(cost_from: object) -> None:
+    with pytest.raises(FanoutError, match="cost_from must be a key of the handler's answer"):
+        FanOut("spend_bad_option", over=list, do=str, cost_from=cost_from)

@@ -119,3 +119,41 @@ FanOut(
     max_parallel=16,
     params={"n": (int, 20), "tokens": (int, 100), "sleep": (float, 0.0)},
 )
+
+
+def answered(item: Item) -> dict[str, Any]:
+    """A provider's answer that says what it billed, as many APIs do; no report_cost."""
+    if item.payload % 5 == 4:
+        item.report_cost(usd=0.5)  # what the handler reports wins over the answer's
+    return {"answer": item.key, "billed": {"usd": round(0.01 * (item.payload % 5), 6)}}
+
+
+FanOut(
+    "spend_billed_key",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=answered,
+    cost={"usd": 0.1},
+    cost_from="billed",
+    params={"n": (int, 10)},
+)
+
+FanOut(
+    "spend_billed_function",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=answered,
+    cost_from=lambda answer: {"usd": answer["billed"]["usd"] * 2} if answer["answer"] else None,
+    max_spend={"usd": 100},
+    params={"n": (int, 10)},
+)
+
+FanOut(
+    "spend_billed_badly",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=lambda item: {"billed": "a lot"},
+    cost={"usd": 0.1},
+    cost_from="billed",
+    params={"n": (int, 3)},
+)
