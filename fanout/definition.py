@@ -102,6 +102,8 @@ class Outcome:
     result: Any
     error: str
     attempt: int
+    # What the item's calls cost, {unit: amount} (None: nothing counted; see docs/budgets.md).
+    cost: dict[str, float] | None = None
 
     @property
     def succeeded(self) -> bool:

@@ -48,10 +48,10 @@ def outcomes(run_id: int) -> Iterator[Outcome]:
     rows = (
         ItemClaim.objects.filter(run_id=run_id)
         .order_by("index")
-        .values_list("key", "index", "status", "result", "error", "attempt")
+        .values_list("key", "index", "status", "result", "error", "attempt", "cost")
     )
-    for key, index, status, result, error, attempt in rows.iterator(chunk_size=2000):
-        yield Outcome(key, index, status, result, error, attempt)
+    for key, index, status, result, error, attempt, cost in rows.iterator(chunk_size=2000):
+        yield Outcome(key, index, status, result, error, attempt, cost)
 
 
 def status_counts(run_id: int) -> dict[str, int]:

@@ -128,3 +128,13 @@ def test_an_answer_whose_cost_cannot_be_read_fails_its_item_saying_why() -> None
 def test_cost_from_must_be_a_key_or_a_function(cost_from: object) -> None:
     with pytest.raises(FanoutError, match="cost_from must be a key of the handler's answer"):
         FanOut("spend_bad_option", over=list, do=str, cost_from=cost_from)
+
+
+def test_the_join_sees_what_each_outcome_cost_by_unit() -> None:
+    run = get_definition("spend_joined").start({"n": 8}, max_spend={"usd": 100})
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    costs = {i.key: i.cost for i in ItemClaim.objects.filter(run=run)}
+    assert len({c["usd"] for c in costs.values()}) > 1  # reported, not the estimate
+    assert run.join_result["costs"] == costs
+    account = SpendAccount.objects.get(run=run, unit="usd")
+    assert run.join_result["usd"] == pytest.approx(account.spent)

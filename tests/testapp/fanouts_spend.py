@@ -157,3 +157,20 @@ FanOut(
     cost_from="billed",
     params={"n": (int, 3)},
 )
+
+
+def spend_seen(outcomes: Any) -> dict[str, Any]:
+    """The join's view of what the run spent: each outcome's cost, by unit."""
+    costs = {o.key: o.cost for o in outcomes}
+    return {"costs": costs, "usd": sum((c or {}).get("usd", 0.0) for c in costs.values())}
+
+
+FanOut(
+    "spend_joined",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=spend_work,
+    cost=estimate,
+    join=spend_seen,
+    params={"n": (int, 8), "estimate": (float, 0.10), "factor": (float, 1.0)},
+)
