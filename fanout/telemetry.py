@@ -14,7 +14,10 @@
   gauges read from the rows: ``fanout.items`` (items of open runs by definition and status),
   ``fanout.pool.in_flight`` and ``fanout.pool.limit``; ``fanout.counter_drift`` (in-flight
   counters the supervisor's audit found different from their rows and corrected, by ``kind``,
-  run or pool, and ``name``, the run's definition or the pool: anything but 0 is a bug).
+  run or pool, and ``name``, the run's definition or the pool: anything but 0 is a bug);
+  ``fanout.spend`` (what calls reported they cost, by definition and unit; item spans carry
+  it as ``fanout.cost.<unit>``), and gauges ``fanout.budget.spent``, ``.reserved`` and
+  ``.limit`` (every pool's budget and every open run's, by kind, name and unit).
 
 Spans and metrics go to the global tracer and meter providers (the application's SDK
 configuration), or to those given to ``configure()``.
@@ -234,6 +237,12 @@ class _Instruments:
             description="In-flight counters found different from their rows and corrected, "
             "by kind (run or pool) and name (the run's definition, or the pool).",
         )
+        self.spend = meter.create_counter(
+            "fanout.spend",
+            unit="1",
+            description="What items' calls reported they cost, by definition and unit "
+            "(report_cost or cost_from).",
+        )
         self.attributes: dict[tuple[str, str], dict[str, str]] = {}
 
     def labels(self, definition: str, name: str, value: str) -> dict[str, str]:
@@ -424,6 +433,8 @@ class ItemSpans:
                     {"exception.type": outcome.error_class, "exception.stacktrace": outcome.error},
                 )
                 span.set_status(otel_trace.StatusCode.ERROR, outcome.error_class)
+            for unit, amount in (outcome.cost or {}).items():
+                span.set_attribute(f"fanout.cost.{unit}", amount)
         span.end()
 
     def link(self) -> Any:
@@ -457,6 +468,8 @@ def items_finished(definition: str, outcomes: Sequence[ExecutionOutcome]) -> Non
         if o.terminal:
             status = "succeeded" if o.kind == SUCCEEDED else "failed"
             instruments.finished.add(1, instruments.labels(definition, "status", status))
+        for unit, amount in (o.cost or {}).items():
+            instruments.spend.add(amount, instruments.labels(definition, "unit", unit))
 
 
 def claim_took(definition: str, path: str, seconds: float) -> None:
@@ -528,12 +541,32 @@ def _observe(meter: Any) -> None:
         unit="{item}",
         description="Each pool's max_concurrency.",
     )
+    for column, name, description in (
+        (3, "spent", "What each budget's items spent (a pool's: in its period), by unit."),
+        (4, "reserved", "Estimates held against each budget by items running now, by unit."),
+        (5, "limit", "Each budget: a pool's, and an open run's max_spend, by unit."),
+    ):
+        meter.create_observable_gauge(
+            f"fanout.budget.{name}",
+            callbacks=[_observe_budgets(column)],
+            unit="1",
+            description=description,
+        )
 
 
 def _observe_items(options: Any) -> Iterator[Any]:
     counts = read_rows(item_counts, {})
     for (definition, status), n in sorted(counts.items()):
         yield otel_metrics.Observation(n, {"definition": definition, "status": status})
+
+
+def _observe_budgets(column: int) -> Callable[[Any], Iterable[Any]]:
+    def observe(options: Any) -> Iterator[Any]:
+        for row in read_rows(budget_figures, []):
+            attributes = {"kind": row[0], "name": row[1], "unit": row[2]}
+            yield otel_metrics.Observation(row[column], attributes)
+
+    return observe
 
 
 def _observe_pools(column: int) -> Callable[[Any], Iterable[Any]]:

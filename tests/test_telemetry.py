@@ -31,7 +31,7 @@ from fanout.actions import retry_failed
 from fanout.claim import claim
 from fanout.compensate import retry_failed_compensations
 from fanout.dispatch import resume
-from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, SpendAccount
 from tests.conftest import keys, prepare, start
 from tests.testapp.fanouts_pools import BUSY_POOL
 
@@ -387,8 +387,6 @@ def test_a_sample_rate_that_is_not_a_share_is_an_error(rate: Any) -> None:
 
 
 def test_the_prometheus_view_serves_each_pools_and_open_runs_budget(client: Any) -> None:
-    from fanout.models import SpendAccount
-
     run = open_pool_run()
     CapacityPool.objects.get_or_create(name="llm")
     SpendAccount.objects.create(run=run, unit="usd", budget=50, spent=49.8, reserved=0.6)
@@ -404,3 +402,38 @@ def test_the_prometheus_view_serves_each_pools_and_open_runs_budget(client: Any)
     }
     assert got["fanout_budget_reserved"][("run", str(run.pk), "usd")] == 0.6
     assert got["fanout_budget_limit"][("pool", "llm", "tokens")] == 90000.0
+
+
+# --- spend -----------------------------------------------------------------------------------
+
+
+@override_settings(FANOUT_OTEL_ITEM_SAMPLE_RATE=1.0)
+def test_item_spans_and_the_spend_counter_carry_what_each_call_cost_by_unit(
+    otel: Exported,
+) -> None:
+    run = start("spend_work", {"n": 12, "estimate": 0.1}, workers=3)
+    spent = dict(ItemClaim.objects.filter(run=run).values_list("key", "cost"))
+    assert len({c["usd"] for c in spent.values()}) > 1  # reported: not all the estimate
+
+    spans = by_key(otel.item_spans())
+    assert {key: (s.attributes or {})["fanout.cost.usd"] for (key, _), s in spans.items()} == {
+        key: c["usd"] for key, c in spent.items()
+    }
+    counted = otel.values("fanout.spend", "definition", "unit")
+    assert counted == {("spend_work", "usd"): pytest.approx(sum(c["usd"] for c in spent.values()))}
+
+
+def test_budget_gauges_read_each_pools_and_open_runs_budget_from_the_rows(otel: Exported) -> None:
+    run = open_pool_run()
+    CapacityPool.objects.get_or_create(name="llm")
+    SpendAccount.objects.create(run=run, unit="usd", budget=50, spent=49.8, reserved=0.6)
+    SpendAccount.objects.create(pool="llm", unit="tokens", budget=90000, spent=1200)
+    telemetry.observe_rows(otel.meter_provider)
+
+    labels = ("kind", "name", "unit")
+    assert otel.values("fanout.budget.spent", *labels) == {
+        ("run", str(run.pk), "usd"): 49.8,
+        ("pool", "llm", "tokens"): 1200.0,
+    }
+    assert otel.values("fanout.budget.reserved", *labels)[("run", str(run.pk), "usd")] == 0.6
+    assert otel.values("fanout.budget.limit", *labels)[("pool", "llm", "tokens")] == 90000.0
