@@ -52,3 +52,33 @@ def db_now() -> datetime:
         # MySQL's UTC_TIMESTAMP() is naive: it is UTC, as the DATETIME columns.
         value = timezone.make_aware(value, UTC)
     return value
+
+
+# Calendar periods (a pool budget's "month"): their boundaries are in UTC, whatever the hosts'
+# or the server's time zone, so every worker agrees on when one ends.
+CALENDAR_PERIODS = ("day", "week", "month", "year")
+
+
+def calendar_start(moment: datetime, period: str) -> datetime:
+    """The start of the calendar ``period`` (day, ISO week from Monday, month, year) that holds
+    ``moment``, in UTC."""
+    day = moment.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "week":
+        return day - timedelta(days=day.weekday())
+    if period == "month":
+        return day.replace(day=1)
+    if period == "year":
+        return day.replace(month=1, day=1)
+    return day
+
+
+def calendar_end(start: datetime, period: str) -> datetime:
+    """When the calendar ``period`` that holds ``start`` ends (the next one's start)."""
+    start = calendar_start(start, period)
+    if period == "week":
+        return start + timedelta(days=7)
+    if period == "month":
+        return start.replace(year=start.year + start.month // 12, month=start.month % 12 + 1)
+    if period == "year":
+        return start.replace(year=start.year + 1)
+    return start + timedelta(days=1)

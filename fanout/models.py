@@ -9,7 +9,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from .clock import DbNow
+from .clock import CALENDAR_PERIODS, DbNow
 
 
 class RunStatus(models.TextChoices):
@@ -431,8 +431,13 @@ class SpendAccount(models.Model):
     spent = models.FloatField(default=0.0)
     reserved = models.FloatField(default=0.0)
     # A pool's period in seconds; when it has passed since period_started_at, spent restarts
-    # from zero. None: the budget never rolls over (a run's).
+    # from zero. None: the budget never rolls over (a run's), unless it has a calendar period.
     period = models.FloatField(null=True, blank=True)
+    # A calendar period instead ("day", "week", "month", "year"): spent restarts from zero at
+    # each of its boundaries in UTC, by the database's clock.
+    calendar = models.CharField(
+        max_length=8, blank=True, default="", choices=[(c, c) for c in CALENDAR_PERIODS]
+    )
     period_started_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

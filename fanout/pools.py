@@ -13,7 +13,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 
-from .clock import db_now_plus
+from .clock import CALENDAR_PERIODS, db_now_plus
 from .conf import conf
 from .cost import Units, as_units
 from .errors import FanoutError
@@ -77,20 +77,26 @@ def parse_period(text: Any) -> float:
     return multiple * _PERIODS[match.group(2)]
 
 
-def parse_budget(name: str, config: Any) -> tuple[Units, float | None]:
-    """A pool's ``budget={"usd": 50, "period": "30d"}`` as (units, period seconds)."""
+def parse_budget(name: str, config: Any) -> tuple[Units, float | str | None]:
+    """A pool's ``budget={"usd": 50, "period": "30d"}`` as (units, period): seconds for a
+    rolling period, the name of a calendar one ("day", "week", "month", "year")."""
     if not isinstance(config, Mapping):
         raise FanoutError(
             f"FANOUT_POOLS[{name!r}]: budget must be a dict such as {{'usd': 50, 'period': '30d'}}"
         )
     config = dict(config)
     period = config.pop("period", None)
-    seconds = None
-    if period is not None:
+    seconds: float | str | None = None
+    if isinstance(period, str) and period.strip().lower() in CALENDAR_PERIODS:
+        seconds = period.strip().lower()
+    elif period is not None:
         try:
             seconds = parse_period(period)
         except FanoutError as exc:
-            raise FanoutError(f"FANOUT_POOLS[{name!r}]: budget {exc}") from None
+            raise FanoutError(
+                f"FANOUT_POOLS[{name!r}]: budget {exc}, or a calendar period: "
+                f"{', '.join(CALENDAR_PERIODS[:-1])} or {CALENDAR_PERIODS[-1]}"
+            ) from None
     units = as_units(config, f"FANOUT_POOLS[{name!r}]: budget")
     if not units:
         raise FanoutError(f"FANOUT_POOLS[{name!r}]: budget names no unit")

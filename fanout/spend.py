@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, FloatField, Q, Value, When
 
+from .clock import calendar_end, calendar_start
 from .cost import Units, add, amount, describe, total
 from .models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
 
@@ -45,8 +46,12 @@ def open_run_budget(run_id: int, max_spend: Mapping[str, float]) -> None:
     SpendAccount.objects.bulk_create(rows, ignore_conflicts=True)
 
 
-def open_pool_budget(name: str, units: Mapping[str, float], period: float | None) -> None:
-    """Give the pool a budget per unit, holding what its running items reserve already."""
+def open_pool_budget(name: str, units: Mapping[str, float], period: float | str | None) -> None:
+    """Give the pool a budget per unit, holding what its running items reserve already.
+
+    ``period``: seconds of a rolling period, or the name of a calendar one ("month")."""
+    calendar = period if isinstance(period, str) else ""
+    seconds = None if calendar else period
     held = total(
         ItemClaim.objects.running()
         .filter(pool=name)
@@ -59,7 +64,12 @@ def open_pool_budget(name: str, units: Mapping[str, float], period: float | None
                 SpendAccount.objects.get_or_create(
                     pool=name,
                     unit=unit,
-                    defaults=dict(budget=budget, period=period, reserved=held.get(unit, 0.0)),
+                    defaults=dict(
+                        budget=budget,
+                        period=seconds,
+                        calendar=calendar,
+                        reserved=held.get(unit, 0.0),
+                    ),
                 )
         except IntegrityError:  # pragma: no cover - another process made it first
             pass
@@ -75,6 +85,7 @@ class _Account:
     spent: float
     reserved: float
     period: float | None
+    calendar: str
     period_started_at: datetime | None
     spent_delta: float = 0.0
     reserved_delta: float = 0.0
@@ -88,9 +99,7 @@ class _Account:
         return describe(self.unit, self.spent, self.budget, self.reserved)
 
     def period_ends(self) -> datetime | None:
-        if self.period is None or self.period_started_at is None:
-            return None
-        return self.period_started_at + timedelta(seconds=self.period)
+        return period_end(self.period, self.calendar, self.period_started_at)
 
 
 _ACCOUNT_FIELDS = (
@@ -102,8 +111,18 @@ _ACCOUNT_FIELDS = (
     "spent",
     "reserved",
     "period",
+    "calendar",
     "period_started_at",
 )
+
+
+def period_end(period: float | None, calendar: str, started: datetime | None) -> datetime | None:
+    """When a budget's period that began at ``started`` ends; None when it never rolls over."""
+    if started is None:
+        return None
+    if calendar:
+        return calendar_end(started, calendar)
+    return started + timedelta(seconds=period) if period is not None else None
 
 
 def _lock(accounts: Any, skip_locked: bool = False) -> list[_Account]:
@@ -115,6 +134,9 @@ def _lock(accounts: Any, skip_locked: bool = False) -> list[_Account]:
 
 def _roll(account: _Account, now: datetime) -> None:
     """A pool's period that has passed starts again from zero spent (reservations carry)."""
+    if account.calendar:
+        _roll_calendar(account, now)
+        return
     if account.period is None:
         return
     if account.period_started_at is None:
@@ -125,6 +147,16 @@ def _roll(account: _Account, now: datetime) -> None:
         periods = math.floor((now - account.period_started_at).total_seconds() / account.period)
         account.period_started_at += timedelta(seconds=periods * account.period)
         account.spent, account.reset = 0.0, True
+
+
+def _roll_calendar(account: _Account, now: datetime) -> None:
+    """A calendar period counts from its boundary (in UTC): a budget first used, or last
+    used in a period that has ended, starts the one that holds ``now``."""
+    ends = account.period_ends()
+    if ends is not None and now < ends:
+        return
+    account.period_started_at, account.reset = calendar_start(now, account.calendar), True
+    account.spent = 0.0  # what apply() writes: spent in this period, from zero
 
 
 @dataclass
@@ -494,9 +526,9 @@ def _never_admitted(
 def _open_account(account: SpendAccount, now: datetime) -> SpendAccount:
     """The account as the next claim will see it: a pool's period that has passed is spent
     from zero (not written: only a claim, under the lock, rolls it over)."""
-    if account.period and account.period_started_at is not None:
-        if now >= account.period_started_at + timedelta(seconds=account.period):
-            account.spent = 0.0
+    ends = period_end(account.period, account.calendar, account.period_started_at)
+    if ends is not None and now >= ends:
+        account.spent = 0.0
     return account
 
 
@@ -551,6 +583,7 @@ def budget_rows(accounts: Iterable[SpendAccount], now: datetime) -> list[dict[st
                 if account.budget
                 else 1.0,
                 **({"period_seconds": account.period} if account.period else {}),
+                **({"calendar_period": account.calendar} if account.calendar else {}),
                 **(
                     {"period_started_at": account.period_started_at}
                     if account.period_started_at

@@ -163,7 +163,7 @@ FANOUT_HOST_NAME = os.environ.get("FANOUT_HOST_NAME") or None
 
 # The LLM sweep's providers: their token rates match the fake providers' own limits (so none
 # answers 429), and each has a monthly budget.
-LLM_BUDGET = {"usd": 5, "period": "30d"}
+LLM_BUDGET = {"usd": 5, "period": "month"}
 LLM_PROVIDER = {"max_concurrency": 6, "rate": "4000 tokens/s", "budget": LLM_BUDGET}
 FANOUT_POOLS = {
     "thumbnailer": {"max_concurrency": 3, "rate": "20/s"},

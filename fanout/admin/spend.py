@@ -88,8 +88,25 @@ class SpendAccountAdmin(FanoutAdmin):
     list_filter = ("unit",)
     search_fields = ("pool", "unit", "run__definition")
     ordering = ("-spent",)  # the accounts that spent most first
-    fields = ("owner", "unit", "budget", "spent_text", "reserved_text", "period", "period_start")
-    readonly_fields = ("owner", "unit", "spent_text", "reserved_text", "period", "period_start")
+    fields = (
+        "owner",
+        "unit",
+        "budget",
+        "spent_text",
+        "reserved_text",
+        "period",
+        "calendar",
+        "period_start",
+    )
+    readonly_fields = (
+        "owner",
+        "unit",
+        "spent_text",
+        "reserved_text",
+        "period",
+        "calendar",
+        "period_start",
+    )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # made with their run or pool

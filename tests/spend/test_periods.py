@@ -1,0 +1,96 @@
+"""A pool's budget over a calendar period ("day", "month", ...) starts again from zero at the
+period's boundary in UTC, by the database's clock, not a fixed length after its first use."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.core.management import call_command
+from django.test import override_settings
+
+from fanout.claim import claim
+from fanout.clock import db_now
+from fanout.errors import FanoutError
+from fanout.models import CapacityPool, SpendAccount
+from fanout.pools import parse_budget
+from tests.conftest import prepare
+from tests.testapp.fanouts_spend import SPEND_POOL
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def day_start(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def month_start(moment: datetime) -> datetime:
+    return day_start(moment).replace(day=1)
+
+
+def spent_pool(calendar: str, started: datetime) -> SpendAccount:
+    """The pool's budget, all spent, in a period that began at ``started``."""
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=10)
+    return SpendAccount.objects.create(
+        pool=SPEND_POOL,
+        unit="usd",
+        budget=1.0,
+        spent=1.0,
+        calendar=calendar,
+        period_started_at=started,
+    )
+
+
+def claim_one() -> int:
+    run = prepare("spend_pooled", {"n": 2, "estimate": 0.1})
+    return len(claim(run.pk, "w:1", 1, 30, 3, SPEND_POOL, spend=True).items)
+
+
+@pytest.mark.parametrize(("calendar", "start"), [("day", day_start), ("month", month_start)])
+def test_a_calendar_budget_spent_in_the_last_period_admits_again_from_its_boundary(
+    calendar: str, start: object
+) -> None:
+    now = db_now()
+    boundary = start(now)  # type: ignore[operator]
+    # Spent one second before this period began: a rolling day or 30 days would still hold.
+    account = spent_pool(calendar, boundary - timedelta(seconds=1))
+    assert claim_one() == 1
+    account.refresh_from_db()
+    assert account.spent == 0.0 and account.reserved == pytest.approx(0.1)
+    assert account.period_started_at == boundary
+
+
+@pytest.mark.parametrize(("calendar", "start"), [("day", day_start), ("month", month_start)])
+def test_a_calendar_budget_spent_in_this_period_holds_until_its_end(
+    calendar: str, start: object
+) -> None:
+    boundary = start(db_now())  # type: ignore[operator]
+    account = spent_pool(calendar, boundary)
+    assert claim_one() == 0
+    account.refresh_from_db()
+    assert (account.spent, account.reserved) == (1.0, 0.0)
+
+
+def test_a_new_calendar_budget_counts_from_the_start_of_its_period_not_its_first_use() -> None:
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=10)
+    account = SpendAccount.objects.create(pool=SPEND_POOL, unit="usd", budget=5, calendar="month")
+    assert claim_one() == 1
+    account.refresh_from_db()
+    assert account.period_started_at == month_start(db_now())
+
+
+@pytest.mark.parametrize("period", ["day", "week", "month", "year"])
+def test_a_pool_budget_takes_a_calendar_period_by_name(period: str) -> None:
+    assert parse_budget("p", {"usd": 50, "period": period}) == ({"usd": 50.0}, period)
+
+
+def test_a_pool_budget_refuses_a_period_that_is_neither_a_length_nor_a_calendar_one() -> None:
+    with pytest.raises(FanoutError, match="'fortnight'.*day, week, month or year"):
+        parse_budget("p", {"usd": 50, "period": "fortnight"})
+
+
+@override_settings(FANOUT_POOLS={"llm-monthly": {"budget": {"usd": 50, "period": "month"}}})
+def test_fanout_pools_sync_makes_a_calendar_budget() -> None:
+    call_command("fanout_pools", "--sync", verbosity=0)
+    account = SpendAccount.objects.get(pool="llm-monthly")
+    assert (account.calendar, account.period, account.budget) == ("month", None, 50.0)
