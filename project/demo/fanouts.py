@@ -77,7 +77,7 @@ class FakeProvider:
             self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
             self.at = now
             if self.tokens < max_tokens:
-                raise Throttled("429 Too Many Requests", retry_after=0.5)
+                raise Throttled(0.5, "429 Too Many Requests")
             self.tokens -= max_tokens
         rng = random.Random(seed)
         time.sleep(rng.uniform(0.02, 0.08))

@@ -8,10 +8,13 @@ import pytest
 from fanout import FanOut
 from fanout.definition import get_definition
 from fanout.dispatch import dispatch, prepare_run
-from fanout.errors import FanoutError
-from fanout.models import ItemClaim, RunStatus, SpendAccount
+from fanout.errors import FanoutError, Throttled
+from fanout.models import CapacityPool, ItemClaim, RunStatus, SpendAccount
 from fanout.report import final_report, snapshot
+from project.demo.fanouts import FakeProvider
+from tests.conftest import executions
 from tests.procs import wait_until
+from tests.testapp.fanouts_spend import PROMPT_USD, SPEND_POOL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -138,3 +141,29 @@ def test_the_join_sees_what_each_outcome_cost_by_unit() -> None:
     assert run.join_result["costs"] == costs
     account = SpendAccount.objects.get(run=run, unit="usd")
     assert run.join_result["usd"] == pytest.approx(account.spent)
+
+
+def test_a_throttled_calls_reported_cost_is_kept_and_its_retry_uses_no_attempt() -> None:
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=4)
+    pool_account = SpendAccount.objects.create(pool=SPEND_POOL, unit="usd", budget=100)
+    run = get_definition("spend_throttled").start({"n": 6, "throttles": 2}, workers=3)
+    items = list(ItemClaim.objects.filter(run=run))
+    assert run.status == RunStatus.SUCCEEDED, [(i.key, i.status, i.error[-300:]) for i in items]
+    calls = executions(run.pk)
+    assert len(items) == 6 and all(calls[i.key] == 3 for i in items)  # two 429s, then an answer
+    for item in items:
+        assert (item.status, item.attempt) == ("succeeded", 1)  # max_attempts=1: none used
+        # Both throttled calls' prompts, then the answer's: nothing lost, nothing doubled.
+        expected = 2 * PROMPT_USD + PROMPT_USD + item.result["usd"]
+        assert item.cost == {"usd": pytest.approx(expected)}, item.key
+    pool_account.refresh_from_db()
+    assert pool_account.spent == pytest.approx(sum(i.cost["usd"] for i in items))
+    assert pool_account.reserved == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_demo_providers_429_is_a_throttle_not_a_handler_error() -> None:
+    provider = FakeProvider(tokens_per_second=300)
+    assert 75 <= provider.complete("swift-small", "p", 300, "seed") <= 300
+    with pytest.raises(Throttled) as answered:  # its bucket is empty: 429
+        provider.complete("swift-small", "p", 300, "seed")
+    assert answered.value.retry_after == 0.5 and "429" in str(answered.value)

@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fanout import FanOut, Item
+from fanout import FanOut, Item, Throttled
+
+from .ledger import executing
+from .models import Execution
 
 __all__: list[str] = []
 
@@ -173,4 +176,32 @@ FanOut(
     cost=estimate,
     join=spend_seen,
     params={"n": (int, 8), "estimate": (float, 0.10), "factor": (float, 1.0)},
+)
+
+
+PROMPT_USD = 0.01  # what a provider bills for reading the prompt, answered or throttled
+
+
+def throttling_provider(item: Item) -> dict[str, Any]:
+    """A provider that answers 429 to a key's first ``throttles`` calls, billing the prompt it
+    read each time (the handler reports it before raising), then answers and bills the rest."""
+    calls = Execution.objects.filter(run_id=item.run_id, key=item.key).count()
+    with executing(item):
+        if calls < int(item.params.get("throttles", 2)):
+            item.report_cost(usd=PROMPT_USD)
+            raise Throttled(0.05, "429 Too Many Requests")
+        usd = billed(item)
+        item.report_cost(usd=PROMPT_USD + usd)
+        return {"usd": usd}
+
+
+FanOut(
+    "spend_throttled",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=throttling_provider,
+    cost=estimate,
+    pool=SPEND_POOL,
+    max_attempts=1,  # a throttled call that used an attempt would fail its item
+    params={"n": (int, 6), "estimate": (float, 0.10), "throttles": (int, 2)},
 )
