@@ -248,10 +248,8 @@ def outcome(written: Written) -> Decision:
 
 
 def routines() -> list[Any]:
-    if connection.vendor == "postgresql":
+    if connection.vendor in ("postgresql", "mysql"):
         return [hand_over, hand_over_spending]
-    if connection.vendor == "mysql":
-        return [hand_over]
     pytest.skip("no SQL fast path on this database: the claim decides in Python alone")
 
 

@@ -18,6 +18,8 @@ from .base import Backend, HandOverRow
 NOW = "UTC_TIMESTAMP(6)"
 # A stored procedure (migrations 0005, 0008, 0014): one CALL, one round trip, one commit.
 HAND_OVER = "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# The same, with the spend it moves (migration 0017): the cost and whether the run has a budget.
+HAND_OVER_SPEND = "CALL fanout_hand_over_spend(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 class HostLockBusy(Exception):
@@ -54,13 +56,26 @@ class MySQL(Backend):
         return True
 
     def hand_over(self, params: Sequence[Any]) -> HandOverRow:
-        # MySQL's UUIDField is CHAR(32): tokens go as hex.
-        args = [p.hex if isinstance(p, uuid.UUID) else p for p in params]
-        with connection.cursor() as cursor:
-            cursor.execute(HAND_OVER, args)
-            done, pk, key, index, payload, pool, attempt, started_at = cursor.fetchone()
-            # A CALL answers with its status too: read every result, or the connection refuses
-            # the next statement.
-            while cursor.nextset():
-                pass
+        done, pk, key, index, payload, pool, attempt, started_at = _call(HAND_OVER, params)
         return HandOverRow(bool(done), pk, key, index, payload, pool, attempt, aware(started_at))
+
+    def hand_over_spending(self, params: Sequence[Any]) -> tuple[HandOverRow, bool] | None:
+        done, pk, key, index, payload, pool, attempt, started_at, refused = _call(
+            HAND_OVER_SPEND, params
+        )
+        row = HandOverRow(bool(done), pk, key, index, payload, pool, attempt, aware(started_at))
+        return row, bool(refused)
+
+
+def _call(procedure: str, params: Sequence[Any]) -> tuple[Any, ...]:
+    """CALL a procedure that answers one row; return it."""
+    # MySQL's UUIDField is CHAR(32): tokens go as hex.
+    args = [p.hex if isinstance(p, uuid.UUID) else p for p in params]
+    with connection.cursor() as cursor:
+        cursor.execute(procedure, args)
+        row = cursor.fetchone()
+        # A CALL answers with its status too: read every result, or the connection refuses
+        # the next statement.
+        while cursor.nextset():
+            pass
+    return tuple(row)
