@@ -3,14 +3,14 @@ period's boundary in UTC, by the database's clock, not a fixed length after its 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from django.core.management import call_command
 from django.test import override_settings
 
 from fanout.claim import claim
-from fanout.clock import db_now
+from fanout.clock import calendar_end, calendar_start, db_now
 from fanout.errors import FanoutError
 from fanout.models import CapacityPool, SpendAccount
 from fanout.pools import parse_budget
@@ -94,3 +94,21 @@ def test_fanout_pools_sync_makes_a_calendar_budget() -> None:
     call_command("fanout_pools", "--sync", verbosity=0)
     account = SpendAccount.objects.get(pool="llm-monthly")
     assert (account.calendar, account.period, account.budget) == ("month", None, 50.0)
+
+
+@pytest.mark.parametrize(
+    ("period", "start", "end"),
+    [
+        ("day", datetime(2026, 12, 31, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)),
+        ("week", datetime(2026, 12, 28, tzinfo=UTC), datetime(2027, 1, 4, tzinfo=UTC)),
+        ("month", datetime(2026, 12, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)),
+        ("year", datetime(2026, 1, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)),
+    ],
+)
+def test_calendar_periods_are_bounded_in_utc_whatever_the_moments_zone(
+    period: str, start: datetime, end: datetime
+) -> None:
+    # 2026-12-31 23:30 UTC, said in UTC+2 (where it is already 2027): a Thursday in UTC.
+    moment = datetime(2027, 1, 1, 1, 30, tzinfo=timezone(timedelta(hours=2)))
+    assert calendar_start(moment, period) == start
+    assert calendar_end(moment, period) == end
