@@ -243,13 +243,15 @@ class _Instruments:
             description="What items' calls reported they cost, by definition and unit "
             "(report_cost or cost_from).",
         )
-        self.attributes: dict[tuple[str, str], dict[str, str]] = {}
+        self.attributes: dict[tuple[str, str, str], dict[str, str]] = {}
 
     def labels(self, definition: str, name: str, value: str) -> dict[str, str]:
-        """One attributes dict per figure, made once: the hot path allocates none."""
-        found = self.attributes.get((definition, value))
+        """One attributes dict per figure, made once: the hot path allocates none. Keyed by
+        the attribute's name too: a unit may be called as a status is ("failed")."""
+        key = (definition, name, value)
+        found = self.attributes.get(key)
         if found is None:
-            found = self.attributes[(definition, value)] = {"definition": definition, name: value}
+            found = self.attributes[key] = {"definition": definition, name: value}
         return found
 
 

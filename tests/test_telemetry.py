@@ -423,6 +423,28 @@ def test_item_spans_and_the_spend_counter_carry_what_each_call_cost_by_unit(
     assert counted == {("spend_work", "usd"): pytest.approx(sum(c["usd"] for c in spent.values()))}
 
 
+def billed_as_statuses(item: Item) -> str:
+    item.report_cost(succeeded=1, failed=0.5)  # units that share their names with statuses
+    return item.key
+
+
+FanOut("otel_unit_names", over=lambda p: range(int(p["n"])), do=billed_as_statuses)
+
+
+def test_units_named_as_statuses_are_counted_as_units_and_items_as_statuses(
+    otel: Exported,
+) -> None:
+    start("otel_unit_names", {"n": 4})
+
+    assert otel.values("fanout.spend", "definition", "unit") == {
+        ("otel_unit_names", "succeeded"): 4.0,
+        ("otel_unit_names", "failed"): 2.0,
+    }
+    assert otel.values("fanout.items.finished", "definition", "status") == {
+        ("otel_unit_names", "succeeded"): 4
+    }
+
+
 def test_budget_gauges_read_each_pools_and_open_runs_budget_from_the_rows(otel: Exported) -> None:
     run = open_pool_run()
     CapacityPool.objects.get_or_create(name="llm")
