@@ -19,11 +19,11 @@ PYTEST_ARGS ?=
 # What must hold on MariaDB as on PostgreSQL: racing parents and workers run every item once,
 # a SIGKILLed owner's item is reclaimed, limits stay exact across processes, and the model of
 # transitions (tests/test_model.py) holds every invariant there too.
-RACING_TESTS := tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
+RACING_TESTS := tests/test_model.py tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
 	tests/test_slots.py tests/test_clock_skew.py tests/test_host_limit.py \
 	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py \
 	tests/test_mariadb_clock.py tests/test_mariadb_collation.py tests/test_permanent_errors.py \
-	tests/test_retry_race.py tests/test_host_lock.py tests/test_model.py tests/test_model_findings.py \
+	tests/test_retry_race.py tests/test_host_lock.py tests/test_model_findings.py \
 	tests/test_counters.py tests/pools/test_rate_overspend.py tests/test_hand_over.py \
 	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py \
 	tests/test_admission_agreement.py
@@ -74,12 +74,13 @@ demo-llm: $(DEMO_STAMP)
 	$(PY) manage.py fanout_pools --sync
 	$(PY) manage.py run_fanout llm_sweep
 
-# `make test` runs the model of transitions and the fresh-project install beside the rest, in a
-# second pytest with a Redis database of its own (each pytest makes its own test database): they
-# are the longest tests and wait on the database more than on the CPU. With PYTEST_ARGS, one
+# `make test` runs the suite in TEST_PROCESSES pytest processes (pytest-xdist, one test file
+# per process at a time): most tests wait on worker processes, leases and the database more
+# than on the CPU. The longest files are named first so that they start first. Each process
+# makes its own test database and takes a Redis database of its own. With PYTEST_ARGS, one
 # pytest runs what they select.
-SIDE_TESTS := tests/test_model.py tests/test_install.py
-TEST_SIDE_REDIS_URL ?= redis://127.0.0.1:6379/10
+TEST_PROCESSES ?= 3
+LONGEST_TESTS := tests/test_model.py tests/test_chaos.py tests/test_install.py
 
 test: export DATABASE_URL ?= $(TEST_DATABASE_URL)
 test: export REDIS_URL ?= $(TEST_REDIS_URL)
@@ -87,13 +88,7 @@ test: venv
 	scripts/services.sh
 	scripts/test-deps.sh
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@side_log=$$(mktemp); \
-	REDIS_URL=$(TEST_SIDE_REDIS_URL) $(PY) -m pytest -p no:cacheprovider $(SIDE_TESTS) \
-		> $$side_log 2>&1 & side=$$!; \
-	$(PY) -m pytest $(addprefix --ignore=,$(SIDE_TESTS)); rest=$$?; \
-	wait $$side; side_rc=$$?; \
-	echo "--- beside them: $(SIDE_TESTS)"; cat $$side_log; rm -f $$side_log; \
-	test $$rest -eq 0 && test $$side_rc -eq 0
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(LONGEST_TESTS) tests
 else
 	$(PY) -m pytest $(PYTEST_ARGS)
 endif
@@ -103,7 +98,7 @@ test-mariadb: export REDIS_URL ?= $(TEST_REDIS_URL)
 test-mariadb: venv
 	scripts/services.sh
 	scripts/test-deps.sh
-	$(PY) -m pytest $(RACING_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(RACING_TESTS) $(PYTEST_ARGS)
 
 # Every supported Django on Python 3.12 and 3.13 (nox -l lists the sessions).
 matrix: venv

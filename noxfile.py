@@ -19,9 +19,14 @@ import nox
 DJANGO = {"5.2": "Django>=5.2,<5.3", "6.0": "Django>=6.0,<6.1", "6.1": "Django>=6.1,<6.2"}
 PYTHON = ["3.12", "3.13"]
 
+# Test files run in this many pytest processes at once, as `make test` runs them (most tests
+# wait on worker processes and leases, not on the CPU).
+PROCESSES = ["-n", os.environ.get("TEST_PROCESSES", "3"), "--dist", "loadfile"]
+
 # The reduced suite: every module except the slow process-racing, browser and chaos ones,
 # plus one real RQ worker test and the fresh-project install test.
 QUICK = [
+    "tests/test_install.py",  # the longest: first, so that it starts first
     "tests/test_command.py",
     "tests/test_definition.py",
     "tests/test_checks.py",
@@ -37,7 +42,6 @@ QUICK = [
     "tests/admin",
     "tests/pools/test_config.py",
     "tests/rq/test_drain_jobs.py",
-    "tests/test_install.py",
     "--ignore=tests/admin/test_browser.py",
 ]
 
@@ -75,7 +79,7 @@ def _install(session: nox.Session, django: str) -> dict[str, str]:
 def tests(session: nox.Session, django: str) -> None:
     """The whole suite."""
     env = _install(session, django)
-    session.run("python", "-m", "pytest", *session.posargs, env=env)
+    session.run("python", "-m", "pytest", *PROCESSES, *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON)
@@ -83,6 +87,6 @@ def tests(session: nox.Session, django: str) -> None:
 def quick(session: nox.Session, django: str) -> None:
     """A reduced but real suite: real PostgreSQL, Redis and worker processes, minutes less."""
     env = _install(session, django)
-    session.run("python", "-m", "pytest", *QUICK, *session.posargs, env=env)
+    session.run("python", "-m", "pytest", *PROCESSES, *QUICK, *session.posargs, env=env)
     session.run("python", "manage.py", "check", "--fail-level", "ERROR", env=env)
     session.run("python", "manage.py", "makemigrations", "--check", "--dry-run", env=env)

@@ -165,19 +165,39 @@ def _samples(run: BatchRun) -> list[Sample]:
 
 
 def _from_windows(axis: TimeAxis, windows: list[Sample], items: QuerySet[ItemClaim]) -> Ended:
-    """The windows' counts, each in the bucket of its middle, and the items that ended after
-    the last window, each in its own bucket."""
+    """The windows' counts, each spread over the buckets its window covers, and the items
+    that ended after the last window, each in its own bucket. A window is as long as the
+    supervisor's period: one longer than a bucket, drawn in one, would draw a rate its pool
+    never allowed."""
     counts = Ended.empty(axis.count)
-    since = None
+    since = axis.start
     for w in windows:
         assert w.upto is not None
-        b = axis.bucket(w.upto if since is None else since + (w.upto - since) / 2)
-        counts.finished[b] += w.finished
-        counts.failed[b] += w.failed
+        for totals, n in ((counts.finished, w.finished), (counts.failed, w.failed)):
+            for b, share in _spread(axis, since, w.upto, n):
+                totals[b] += share
         counts.durations = [x + y for x, y in zip(counts.durations, w.durations, strict=False)]
         counts.attempts.update({int(a): n for a, n in w.attempts.items()})
-        since = w.upto
+        since = max(since, w.upto)
     return counts.add(ended(items.filter(finished_at__gt=since), axis.inner_edges()))
+
+
+def _spread(axis: TimeAxis, start: datetime, end: datetime, n: int) -> list[tuple[int, int]]:
+    """``n`` items that ended within (start, end], shared among the buckets of the axis in
+    proportion to the time each covers of it, in whole items that sum to ``n``."""
+    if n == 0:
+        return []
+    first, last = axis.bucket(start), axis.bucket(end)
+    if end <= start or first == last:
+        return [(last, n)]
+    span = (end - start).total_seconds()
+    shares, given = [], 0
+    for b in range(first, last + 1):
+        right = end if b == last else min(end, axis.start + axis.step * (b + 1))
+        upto = round(n * (right - start).total_seconds() / span)
+        shares.append((b, upto - given))
+        given = upto
+    return shares
 
 
 def cached_run_charts(run: BatchRun, now: datetime) -> RunCharts:

@@ -189,6 +189,8 @@ class Progress:
                 self._hold(reason, due)
             else:
                 self.activity.ready += due
+                if due and pool:
+                    self.activity.ready_pools.add(pool)
 
     def _hold(self, reason: str, n: int) -> None:
         if n:
@@ -222,7 +224,7 @@ def progress_of(
         progress[pk].activity.last_claimed_at = last
         progress[pk].activity.claimable_since = since
     for p in progress.values():
-        p.why = why_run_waits(p.run, p.activity, now)
+        p.why = why_run_waits(p.run, p.activity, now, states)
     return progress, states
 
 

@@ -6,7 +6,7 @@ them). Decided here once, for the admin's pages, run_fanout's progress and its -
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db.models import Case, Count, F, Max, Min, Q, When
@@ -100,6 +100,7 @@ class RunActivity:
     live: int = 0  # running under a live lease
     last_claimed_at: datetime | None = None
     claimable_since: datetime | None = None  # the longest-waiting claimable item's, if read
+    ready_pools: set[str] = field(default_factory=set)  # the pools of its ready items
 
 
 def may_stall(run: BatchRun, activity: RunActivity, now: datetime) -> bool:
@@ -144,9 +145,15 @@ def last_claims(
     return {run_id: (last, since) for run_id, last, since in rows}
 
 
-def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
+def why_run_waits(
+    run: BatchRun,
+    activity: RunActivity,
+    now: datetime,
+    states: dict[str, PoolState] | None = None,
+) -> str:
     """Why the run's claimable items are not running now; "" while workers take them as fast
-    as its limits allow, or when it has none (held items say why themselves)."""
+    as its limits allow, or when it has none (held items say why themselves). ``states``: the
+    pools of its ready items, whose rate may be what paces it."""
     if run.status == RunStatus.PENDING:
         return f"writing its work list: {run.materialized_upto:,} items so far"
     if run.status != RunStatus.RUNNING or activity.ready + activity.expired == 0:
@@ -160,10 +167,21 @@ def why_run_waits(run: BatchRun, activity: RunActivity, now: datetime) -> str:
     if held:
         return held
     if activity.live:
-        return f"{activity.live} running, up to {run.max_parallel} allowed: {_short_of(run)}"
+        short_of = _rate_of(activity.ready_pools, states or {}) or _short_of(run)
+        return f"{activity.live} running, up to {run.max_parallel} allowed: {short_of}"
     if not may_stall(run, activity, now):
         return ""
     return _stalled(run, activity, now)
+
+
+def _rate_of(pools: set[str], states: dict[str, PoolState]) -> str:
+    """A rated pool of the run's ready items: its rate paces the run, between the moments it
+    holds them back (its bucket refills a token at a time, and each one is taken at once)."""
+    for name in sorted(pools):
+        pool = states[name].pool if name in states else None
+        if pool is not None and pool.rate_count is not None:
+            return f"pool {name} admits {pool.describe_rate()}"
+    return ""
 
 
 def _short_of(run: BatchRun) -> str:
@@ -234,11 +252,14 @@ def why_items_wait(items: list[ItemClaim], now: datetime) -> dict[int, tuple[str
         .values_list("run_id", "n")
     )
     # An item that is not held back is itself claimable: its run has one ready item at least.
-    activity = {pk: RunActivity(ready=1, live=live.get(pk, 0)) for pk in runs}
+    pools = {pk: {i.pool for i in items if i.run_id == pk and i.pool} for pk in runs}
+    activity = {
+        pk: RunActivity(ready=1, live=live.get(pk, 0), ready_pools=pools[pk]) for pk in runs
+    }
     quiet = [pk for pk, a in activity.items() if may_stall(runs[pk], a, now)]
     for pk, (last, since) in last_claims(quiet, now).items():
         activity[pk].last_claimed_at, activity[pk].claimable_since = last, since
-    why = {pk: why_run_waits(run, activity[pk], now) for pk, run in runs.items()}
+    why = {pk: why_run_waits(run, activity[pk], now, states) for pk, run in runs.items()}
     return {item.pk: _why_item_waits(item, now, states, why[item.run_id]) for item in items}
 
 

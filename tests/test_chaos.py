@@ -36,7 +36,7 @@ def test_every_chaos_scenario_passes_with_few_items(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "chaos", "--quick", "--pg-fault", "terminate"]
     command += ["--database-url", _chaos_database_url(), "--drop-database", "--json", str(report)]
     done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ)
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ)
     )
     assert report.exists(), f"the harness wrote no report:\n{done.stdout}\n{done.stderr[-3000:]}"
     figures = json.loads(report.read_text())

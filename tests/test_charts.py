@@ -539,3 +539,37 @@ def test_ended_counts_only_items_with_an_outcome() -> None:
     )
 
     assert ended(ItemClaim.objects.filter(run=run)) == [(0, 0, -1, -1, 1)]
+
+
+def test_a_window_longer_than_a_bucket_is_spread_over_the_buckets_it_covers(
+    settings: Any,
+) -> None:
+    """A 40 s run has 1 s bars and 10 s windows: ten items a second are drawn as ten a
+    second, not as a hundred in one bar out of ten."""
+    run = new_run(minutes=40 / 60)
+    assert run.started_at and run.finished_at
+    items = [
+        ItemClaim(
+            run=run,
+            key=f"k{i}",
+            index=i,
+            status=ItemStatus.SUCCEEDED,
+            attempt=1,
+            started_at=run.started_at + timedelta(milliseconds=100 * i + 1),
+            finished_at=run.started_at + timedelta(milliseconds=100 * i + 51),
+        )
+        for i in range(400)
+    ]
+    ItemClaim.objects.bulk_create(items)
+    sample_every_10s(run, settings, run.finished_at)
+    RunSample.objects.filter(run=run).update(upto=None)
+    scanned = run_charts(run, timezone.now())
+    RunSample.objects.filter(run=run).delete()
+    sample_every_10s(run, settings, run.finished_at)
+
+    charts = run_charts(run, timezone.now())
+
+    assert not charts.exact and scanned.exact
+    assert charts.seconds == 1.0 and len(charts.finished) == 40
+    assert sum(charts.finished) == 400
+    assert max(abs(a - b) for a, b in zip(charts.finished, scanned.finished, strict=True)) <= 1

@@ -24,7 +24,7 @@ from . import svg
 
 WAIT_NAMES = {
     "running": "running",
-    "ready": "ready, no free worker",
+    "ready": "ready, not yet claimed",
     "max_parallel": "run at max_parallel",
     "pool_full": "pool full",
     "rate_limited": "rate limited",

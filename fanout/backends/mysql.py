@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -37,9 +38,20 @@ class MySQL(Backend):
     vendor = "mysql"
     select_now = f"SELECT {NOW}"
 
+    @staticmethod
+    def lock_name(name: str) -> str:
+        """GET_LOCK's name for ``name``. Its locks are the server's, not a database's: the
+        database's name goes in, or two projects on one server would wait on each other. At
+        most 64 characters: a longer name keeps its start and a digest of the whole, so two
+        names alike in their first 64 characters are two locks."""
+        full = f"{connection.settings_dict['NAME']}:{name}"
+        if len(full) <= 64:
+            return full
+        return f"{full[:47]}~{hashlib.sha1(full.encode()).hexdigest()[:16]}"
+
     @contextlib.contextmanager
     def session_lock(self, name: str, wait_seconds: float) -> Iterator[bool]:
-        name = name[:64]  # GET_LOCK's names are at most 64 characters
+        name = self.lock_name(name)
         with connection.cursor() as cursor:
             # 1: taken; 0: the wait ran out; NULL: an error. Without it the limit is not exact.
             cursor.execute("SELECT GET_LOCK(%s, %s)", [name, wait_seconds])
