@@ -2,13 +2,14 @@
 
 The item rows say why an item waits only now; a RunSample keeps that answer for a moment of
 the run's life. The supervisor that tends a running run writes one at most every
-FANOUT_SAMPLE_SECONDS (the fleet's election makes it one supervisor per run per period), so a
-run of any size gets a few rows a minute, and its samples go when its row is pruned.
+FANOUT_SAMPLE_SECONDS (whoever else tends the run at once, the run's row decides who writes),
+so a run of any size gets a few rows a minute, and its samples go when its row is pruned.
 
 Each sample also counts the items that ended in its window, (the previous sample's upto,
-upto], with upto SAMPLE_SECONDS behind the sample so that outcomes written late (batched, or
-from a host behind the database) are in: summed, the samples draw the run's throughput,
-durations and attempts without reading its items.
+upto], with upto SAMPLE_SECONDS behind the sample and before the earliest start of the run's
+items in flight, so that outcomes written late (a batch's, recorded when the batch ends) are
+in: summed, the samples draw the run's throughput, durations and attempts without reading its
+items.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db import connection, transaction
+from django.db.models import Count, F, Min, Q
 
 from .clock import db_now
 from .conf import conf
@@ -44,14 +46,41 @@ def sample_run(run: BatchRun, now: datetime | None = None) -> RunSample | None:
         return None
     now = now or db_now()
     period = timedelta(seconds=float(conf.SAMPLE_SECONDS))
-    last = RunSample.objects.filter(run_id=run.pk).order_by("-at").values_list("at", "upto")
-    previous = last.first()
+    previous = _last(run)
     if previous is not None and previous[0] > now - period:
         return None
     sample = measure(run, now)
-    tally(sample, run, previous[1] if previous else None, now - period)
-    sample.save()
+    since = previous[1] if previous else None
+    tally(sample, run, since, _window_end(run, since, now - period))
+    with transaction.atomic():
+        # Two samplers of one run (the election's and run_fanout's watcher) must not both
+        # count the same window: the one that takes the run's row writes, if nobody did since.
+        runs = BatchRun.objects.filter(pk=run.pk)
+        if connection.features.has_select_for_update:
+            runs = runs.select_for_update(skip_locked=True)
+        else:
+            runs.update(status=F("status"))  # SQLite: the write lock, as claim.lock_run
+        if not list(runs.values_list("pk", flat=True)) or _last(run) != previous:
+            return None
+        sample.save()
     return sample
+
+
+def _last(run: BatchRun) -> tuple[datetime, datetime | None] | None:
+    last = RunSample.objects.filter(run_id=run.pk).order_by("-at", "-pk")
+    return last.values_list("at", "upto").first()
+
+
+def _window_end(run: BatchRun, since: datetime | None, upto: datetime) -> datetime:
+    """Where a window may end: an outcome not written yet (a batch's, held by its worker until
+    the batch ends) ends after its item started, so the window stops before the earliest
+    start of the run's items in flight; never before the previous window's end."""
+    started = ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.RUNNING).aggregate(
+        first=Min("started_at")
+    )["first"]
+    if started is not None:
+        upto = min(upto, started - timedelta(microseconds=1))
+    return upto if since is None else max(upto, since)
 
 
 def tally(sample: RunSample, run: BatchRun, since: datetime | None, upto: datetime) -> None:
