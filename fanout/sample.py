@@ -45,23 +45,21 @@ def sample_run(run: BatchRun, now: datetime | None = None) -> RunSample | None:
     if run.status != RunStatus.RUNNING:
         return None
     now = now or db_now()
-    period = timedelta(seconds=float(conf.SAMPLE_SECONDS))
-    previous = _last(run)
-    if previous is not None and previous[0] > now - period:
+    due = now - timedelta(seconds=float(conf.SAMPLE_SECONDS))
+    if not _due(_last(run), due):
         return None
     sample = measure(run, now)
-    since = previous[1] if previous else None
-    tally(sample, run, since, _window_end(run, since, now - period))
     with transaction.atomic():
         # Two samplers of one run (the election's and run_fanout's watcher) must not both
-        # count the same window: the one that takes the run's row writes, if nobody did since.
-        runs = BatchRun.objects.filter(pk=run.pk)
-        if connection.features.has_select_for_update:
-            runs = runs.select_for_update(skip_locked=True)
-        else:
-            runs.update(status=F("status"))  # SQLite: the write lock, as claim.lock_run
-        if not list(runs.values_list("pk", flat=True)) or _last(run) != previous:
+        # count the same window, nor one count items a retry puts back meanwhile: the one
+        # that takes the run's row counts and writes, if nobody did since.
+        if not _lock_run(run):
             return None
+        previous = _last(run)
+        if not _due(previous, due):
+            return None
+        since = previous[1] if previous else None
+        tally(sample, run, since, _window_end(run, since, due))
         sample.save()
     return sample
 
@@ -69,6 +67,21 @@ def sample_run(run: BatchRun, now: datetime | None = None) -> RunSample | None:
 def _last(run: BatchRun) -> tuple[datetime, datetime | None] | None:
     last = RunSample.objects.filter(run_id=run.pk).order_by("-at", "-pk")
     return last.values_list("at", "upto").first()
+
+
+def _due(previous: tuple[datetime, datetime | None] | None, due: datetime) -> bool:
+    return previous is None or previous[0] <= due
+
+
+def _lock_run(run: BatchRun) -> bool:
+    """Take the run's row for this transaction unless a claim holds it (then sample later)."""
+    runs = BatchRun.objects.filter(pk=run.pk)
+    if connection.features.has_select_for_update:
+        no_key = connection.features.has_select_for_no_key_update
+        runs = runs.select_for_update(skip_locked=True, no_key=no_key)
+    else:
+        runs.update(status=F("status"))  # SQLite: the database's write lock, as claims take it
+    return bool(list(runs.values_list("pk", flat=True)))
 
 
 def _window_end(run: BatchRun, since: datetime | None, upto: datetime) -> datetime:

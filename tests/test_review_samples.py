@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 from django.db import connection, connections, transaction
 
+from fanout.actions import retry_failed
 from fanout.call import execute
 from fanout.charts import run_charts
 from fanout.claim import claim
 from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunSample
-from fanout.record import record
+from fanout.record import FAILED, ExecutionOutcome, record
 from fanout.sample import sample_run
 from tests.conftest import prepare
 from tests.procs import wait_until
@@ -99,3 +100,32 @@ def test_two_supervisors_sampling_a_run_at_once_count_its_ended_items_once(
     windows = list(RunSample.objects.filter(run=run).values_list("finished", flat=True))
     charts = run_charts(run, at)
     assert sum(charts.finished) == ended_items(run) == 2, windows
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_item_retried_while_its_run_runs_is_charted_by_its_last_end_only(
+    settings: Any,
+) -> None:
+    # A running run's failed item is retried (the run never ended, so it is not "reopened"):
+    # a window had counted its failure, and it ends again, succeeding, after that window.
+    settings.FANOUT_SAMPLE_SECONDS = 0.001
+    run = prepare("t_collect", {"n": 3})
+    taken = claim(run.pk, "first", 1, 300, 3, None)
+    assert taken.token is not None
+    item = taken.items[0]
+    failed = ExecutionOutcome(item.pk, item.key, FAILED, error="boom", error_class="Boom")
+    failed.finished_at = item.started_at
+    record(run.pk, taken.token, [failed], "collect")
+    run.refresh_from_db()
+    assert sample_run(run) is not None
+
+    assert retry_failed(BatchRun.objects.get(pk=run.pk)) == 1
+    again = claim(run.pk, "second", 1, 300, 3, None)
+    assert again.token is not None and again.items[0].pk == item.pk
+    outcomes = [execute(get_definition("t_collect"), run.pk, {}, again.items[0])]
+    record(run.pk, again.token, outcomes, "collect")
+    run.refresh_from_db()
+    assert run.reopened == 0 and ended_items(run) == 1
+
+    charts = run_charts(run, db_now())
+    assert (sum(charts.finished), sum(charts.failed)) == (1, 0)
