@@ -6,10 +6,10 @@ FANOUT_SAMPLE_SECONDS (whoever else tends the run at once, the run's row decides
 so a run of any size gets a few rows a minute, and its samples go when its row is pruned.
 
 Each sample also counts the items that ended in its window, (the previous sample's upto,
-upto], with upto SAMPLE_SECONDS behind the sample and before the earliest start of the run's
-items in flight, so that outcomes written late (a batch's, recorded when the batch ends) are
-in: summed, the samples draw the run's throughput, durations and attempts without reading its
-items.
+upto], with upto SAMPLE_SECONDS behind the sample and, for a batched run, before the earliest
+start of its items in flight, so that outcomes written late (a batch's, recorded when the batch
+ends) are in: summed, the samples draw the run's throughput, durations and attempts without
+reading its items.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from django.db.models import Count, F, Min, Q
 
 from .clock import db_now
 from .conf import conf
+from .definition import get_definition
+from .errors import FanoutError
 from .models import BatchRun, ItemClaim, ItemStatus, RunSample, RunStatus
 from .tally import Ended, ended
 from .waiting import PoolState, pool_states
@@ -85,15 +87,24 @@ def _lock_run(run: BatchRun) -> bool:
 
 
 def _window_end(run: BatchRun, since: datetime | None, upto: datetime) -> datetime:
-    """Where a window may end: an outcome not written yet (a batch's, held by its worker until
-    the batch ends) ends after its item started, so the window stops before the earliest
-    start of the run's items in flight; never before the previous window's end."""
-    started = ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.RUNNING).aggregate(
-        first=Min("started_at")
-    )["first"]
-    if started is not None:
-        upto = min(upto, started - timedelta(microseconds=1))
+    """Where a window may end, never before the previous one's end. A batch's outcomes are
+    written when the whole batch ends, each with the time its own handler returned: for a
+    batched run the window stops before the earliest start of its items in flight, whose
+    outcomes may yet be written with an earlier time. One item at a time is written as it
+    ends, within SAMPLE_SECONDS."""
+    if _batched(run):
+        running = ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.RUNNING)
+        started = running.aggregate(first=Min("started_at"))["first"]
+        if started is not None:
+            upto = min(upto, started - timedelta(microseconds=1))
     return upto if since is None else max(upto, since)
+
+
+def _batched(run: BatchRun) -> bool:
+    try:
+        return get_definition(run.definition).batch_size > 1
+    except FanoutError:
+        return True  # not known here: its batches may be any size
 
 
 def tally(sample: RunSample, run: BatchRun, since: datetime | None, upto: datetime) -> None:
