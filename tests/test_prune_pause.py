@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from fanout.models import ItemClaim
 from tests.procs import child_env, finish, spawn_manage
@@ -48,3 +49,13 @@ def test_a_prune_with_a_pause_rests_between_its_batches(
     assert len([n for n in seen if 0 < n < 60]) >= 3, seen
     assert took >= 5 * pause
     assert not ItemClaim.objects.filter(run_id=run.pk).exists()
+
+
+@pytest.mark.parametrize("pause", ["inf", "nan", "-1"])
+def test_a_pause_that_is_not_a_finite_number_of_seconds_is_refused_before_anything_goes(
+    pause: str,
+) -> None:
+    run = finished_run("t_ledger", 40, n=3)
+    with pytest.raises(CommandError, match="--pause"):
+        call_command("fanout_prune", "--older-than", "30d", "--batch", "1", "--pause", pause)
+    assert ItemClaim.objects.filter(run_id=run.pk).count() == 3
