@@ -16,7 +16,7 @@ from .base import Backend, HandOverRow
 # UTC_TIMESTAMP(6), not NOW(6): NOW() is in the session's time zone, which Django's MySQL
 # backend leaves as the server's, while DATETIME columns hold UTC.
 NOW = "UTC_TIMESTAMP(6)"
-# A stored procedure (migrations 0005, 0008, 0014): one CALL, one round trip, one commit.
+# A stored procedure (migrations 0005, 0008, 0015): one CALL, one round trip, one commit.
 HAND_OVER = "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
