@@ -20,10 +20,6 @@ NOW = "UTC_TIMESTAMP(6)"
 HAND_OVER = "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
-class HostLockBusy(Exception):
-    """GET_LOCK did not answer 1: the wait ran out (0) or it failed (NULL)."""
-
-
 def aware(value: datetime | None) -> datetime | None:
     """A DATETIME read back: naive, and UTC, as every DATETIME column here holds."""
     if value is not None and timezone.is_naive(value):
