@@ -96,9 +96,7 @@ def _spawned(
         outcome.kind, outcome.error_class, outcome.error = FAILED, "SpawnFailed", str(exc)
     else:
         outcome.kind, outcome.result = SPAWNED, {"child_run": child.pk}
-    outcome.elapsed = time.monotonic() - began
-    outcome.finished_at = timezone.now()
-    return outcome
+    return _timed(outcome, claimed, began)  # a failed spawn's end is written
 
 
 COMPENSATION = "compensation"

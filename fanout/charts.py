@@ -4,7 +4,8 @@ Every series has at most MAX_BUCKETS buckets. A run's throughput, durations and 
 summed from its samples (fanout.sample: the items that ended in each window) and one GROUP BY
 over the items no sample holds yet, so a page costs the same few queries, each reading a few
 hundred rows, for a run of a hundred items and of a million. A run without samples (run
-inline, or ended before its supervisor sampled it) is counted from its items instead, exactly.
+inline, or ended before its supervisor sampled it), or retried since some were taken, is
+counted from its items instead, exactly.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def _run_charts(run: BatchRun, now: datetime) -> RunCharts:
     samples = _samples(run)
     windows = [s for s in samples if s.upto is not None]
     items = ItemClaim.objects.filter(run_id=run.pk)
-    if windows and all(s.reopened == run.reopened for s in windows):
+    # Every sample must have its window, all of this end: a retry voids the windows before it.
+    if windows and all(s.upto is not None and s.reopened == run.reopened for s in samples):
         counts = _from_windows(axis, windows, items)
         percentiles, exact = _estimated_percentiles(counts.durations), False
     else:

@@ -221,9 +221,13 @@ def _keep_counts(run_id: int) -> None:
 
 def _still_finished(root: int) -> bool:
     """Lock the tree's root and say whether it is still finished: a retry or a compensation
-    that reopened it since (under the same lock) stops the prune."""
+    that reopened it since (under the same lock) stops the prune. The hold is renewed with
+    each batch, so that rests between batches do not let a second pruner take the tree."""
     runs = BatchRun.objects.filter(pk=root, status__in=TERMINAL_RUN_STATUSES)
-    return runs.select_for_update().exists()
+    if not runs.select_for_update().exists():
+        return False
+    runs.update(tended_until=db_now_plus(HOLD_SECONDS))
+    return True
 
 
 def _delete_items(

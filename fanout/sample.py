@@ -2,13 +2,14 @@
 
 The item rows say why an item waits only now; a RunSample keeps that answer for a moment of
 the run's life. The supervisor that tends a running run writes one at most every
-FANOUT_SAMPLE_SECONDS (the fleet's election makes it one supervisor per run per period), so a
-run of any size gets a few rows a minute, and its samples go when its row is pruned.
+FANOUT_SAMPLE_SECONDS (whoever else tends the run at once, the run's row decides who writes),
+so a run of any size gets a few rows a minute, and its samples go when its row is pruned.
 
 Each sample also counts the items that ended in its window, (the previous sample's upto,
-upto], with upto SAMPLE_SECONDS behind the sample so that outcomes written late (batched, or
-from a host behind the database) are in: summed, the samples draw the run's throughput,
-durations and attempts without reading its items.
+upto], with upto SAMPLE_SECONDS behind the sample and, for a batched run, before the earliest
+start of its items in flight, so that outcomes written late (a batch's, recorded when the batch
+ends) are in: summed, the samples draw the run's throughput, durations and attempts without
+reading its items.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db import connection, transaction
+from django.db.models import Count, F, Min, Q
 
 from .clock import db_now
 from .conf import conf
+from .definition import get_definition
+from .errors import FanoutError
 from .models import BatchRun, ItemClaim, ItemStatus, RunSample, RunStatus
 from .tally import Ended, ended
 from .waiting import PoolState, pool_states
@@ -43,15 +47,64 @@ def sample_run(run: BatchRun, now: datetime | None = None) -> RunSample | None:
     if run.status != RunStatus.RUNNING:
         return None
     now = now or db_now()
-    period = timedelta(seconds=float(conf.SAMPLE_SECONDS))
-    last = RunSample.objects.filter(run_id=run.pk).order_by("-at").values_list("at", "upto")
-    previous = last.first()
-    if previous is not None and previous[0] > now - period:
+    due = now - timedelta(seconds=float(conf.SAMPLE_SECONDS))
+    if not _due(_last(run), due):
         return None
     sample = measure(run, now)
-    tally(sample, run, previous[1] if previous else None, now - period)
-    sample.save()
+    with transaction.atomic():
+        # Two samplers of one run (the election's and run_fanout's watcher) must not both
+        # count the same window, nor one count items a retry puts back meanwhile: the one
+        # that takes the run's row counts and writes, if nobody did since.
+        if not _lock_run(run):
+            return None
+        previous = _last(run)
+        if not _due(previous, due):
+            return None
+        since = previous[1] if previous else None
+        tally(sample, run, since, _window_end(run, since, due))
+        sample.save()
     return sample
+
+
+def _last(run: BatchRun) -> tuple[datetime, datetime | None] | None:
+    last = RunSample.objects.filter(run_id=run.pk).order_by("-at", "-pk")
+    return last.values_list("at", "upto").first()
+
+
+def _due(previous: tuple[datetime, datetime | None] | None, due: datetime) -> bool:
+    return previous is None or previous[0] <= due
+
+
+def _lock_run(run: BatchRun) -> bool:
+    """Take the run's row for this transaction unless a claim holds it (then sample later)."""
+    runs = BatchRun.objects.filter(pk=run.pk)
+    if connection.features.has_select_for_update:
+        no_key = connection.features.has_select_for_no_key_update
+        runs = runs.select_for_update(skip_locked=True, no_key=no_key)
+    else:
+        runs.update(status=F("status"))  # SQLite: the database's write lock, as claims take it
+    return bool(list(runs.values_list("pk", flat=True)))
+
+
+def _window_end(run: BatchRun, since: datetime | None, upto: datetime) -> datetime:
+    """Where a window may end, never before the previous one's end. A batch's outcomes are
+    written when the whole batch ends, each with the time its own handler returned: for a
+    batched run the window stops before the earliest start of its items in flight, whose
+    outcomes may yet be written with an earlier time. One item at a time is written as it
+    ends, within SAMPLE_SECONDS."""
+    if _batched(run):
+        running = ItemClaim.objects.filter(run_id=run.pk, status=ItemStatus.RUNNING)
+        started = running.aggregate(first=Min("started_at"))["first"]
+        if started is not None:
+            upto = min(upto, started - timedelta(microseconds=1))
+    return upto if since is None else max(upto, since)
+
+
+def _batched(run: BatchRun) -> bool:
+    try:
+        return get_definition(run.definition).batch_size > 1
+    except FanoutError:
+        return True  # not known here: its batches may be any size
 
 
 def tally(sample: RunSample, run: BatchRun, since: datetime | None, upto: datetime) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, FloatField, Q, Value, When
 
-from .clock import calendar_end, calendar_start
+from .clock import calendar_end, calendar_start, db_now
 from .cost import Units, add, amount, describe, total
 from .models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
 
@@ -292,9 +292,28 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
             continue
         run_id, pool = key
         rows = SpendAccount.objects.filter(unit__in=list(units))
-        rows = rows.filter(run_id=run_id) if run_id is not None else rows.filter(pool=pool)
+        if run_id is not None:
+            rows = rows.filter(run_id=run_id)
+        else:
+            rows = rows.filter(pool=pool)
+            _roll_ended(rows)
         moved += rows.update(spent=_plus("spent", units, 0), reserved=_plus("reserved", units, 1))
     return moved
+
+
+def _roll_ended(accounts: Any) -> None:
+    """Start again the pool's periods that have ended, as the next claim would: what a call
+    spent counts in the period it settles in, not in one a claim will wipe."""
+    now = db_now()
+    ended = accounts.filter(period__isnull=False, period_started_at__isnull=False)
+    for pk, period, started in ended.values_list("pk", "period", "period_started_at"):
+        if now < started + timedelta(seconds=period):
+            continue
+        periods = math.floor((now - started).total_seconds() / period)
+        # Only from the start it was read with: a claim that rolled it meanwhile wins.
+        SpendAccount.objects.filter(pk=pk, period_started_at=started).update(
+            spent=0.0, period_started_at=started + timedelta(seconds=periods * period)
+        )
 
 
 def _lock_order(key: tuple[int | None, str | None]) -> tuple[int, Any]:
@@ -433,8 +452,10 @@ def after_hand_over(
     owners: list[tuple[int | None, str | None]] = [(run_id, None)] if run_budget else []
     if outcome.pool:
         owners.append((None, outcome.pool))
-    moved = _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
-    if next_pk is None or not moved:
+    _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
+    # Asked even when nothing moved: a budget reached already refuses an item that reserves
+    # nothing, as the claim (Gate.admit) and fanout_hand_over_spend do.
+    if next_pk is None or not owners:
         return True
     return not _over_budget(run_id, outcome.pool, reserve)
 

@@ -15,7 +15,7 @@ import pytest
 
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
-from fanout.models import BatchRun, RunStatus
+from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from tests import procs
 from tests.testapp.models import Execution
 
@@ -93,3 +93,22 @@ def test_workers_whose_clocks_are_90_seconds_apart_run_every_item_once_and_all_t
         # The skew was real: the ledger holds each worker's own idea of the time.
         first = Execution.objects.filter(run_id=run.pk, worker=str(proc.pid)).first()
         assert first is not None and abs(first.started - begun - SKEWS[skew]) < 30
+
+
+def test_a_failed_spawn_on_a_host_behind_the_database_ends_after_it_started(
+    database_url: str, tmp_path: Path, children: list[Any]
+) -> None:
+    # An item's end is placed on the database's clock (its start plus the handler's monotonic
+    # time), never on the host's: a host 90 s behind must not end an item before it began.
+    run = prepare_run(get_definition("t_spawn_refused"), {"n": 3}, uuid.uuid4().hex)
+    env = skewed(procs.child_env(database_url), "-90s", tmp_path / "shim")
+    code, out, err = procs.finish(
+        procs.spawn_manage(["run_fanout", "--resume", str(run.pk), "--json"], env), timeout=120
+    )
+
+    assert json.loads(out.strip().splitlines()[-1])["status"] == RunStatus.FAILED, err
+    items = list(ItemClaim.objects.filter(run_id=run.pk))
+    assert {(i.status, i.error_class) for i in items} == {(ItemStatus.FAILED, "SpawnFailed")}
+    for item in items:
+        assert item.started_at is not None and item.finished_at is not None
+        assert item.finished_at >= item.started_at, (item.key, item.finished_at - item.started_at)

@@ -17,14 +17,10 @@ from .base import Backend, HandOverRow
 # UTC_TIMESTAMP(6), not NOW(6): NOW() is in the session's time zone, which Django's MySQL
 # backend leaves as the server's, while DATETIME columns hold UTC.
 NOW = "UTC_TIMESTAMP(6)"
-# A stored procedure (migrations 0005, 0008, 0014): one CALL, one round trip, one commit.
+# A stored procedure (migrations 0005, 0008, 0015): one CALL, one round trip, one commit.
 HAND_OVER = "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # The same, with the spend it moves (migration 0017): the cost and whether the run has a budget.
 HAND_OVER_SPEND = "CALL fanout_hand_over_spend(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-
-
-class HostLockBusy(Exception):
-    """GET_LOCK did not answer 1: the wait ran out (0) or it failed (NULL)."""
 
 
 def aware(value: datetime | None) -> datetime | None:

@@ -16,10 +16,10 @@ from .base import Backend, HandOverRow
 # clock_timestamp(), not now(): now() is frozen at the start of the transaction, and stale
 # after a lock wait.
 NOW = "clock_timestamp()"
-# A PL/pgSQL function (migrations 0003, 0006, 0014), so that PostgreSQL plans it once per session:
+# A PL/pgSQL function (migrations 0003, 0006, 0015), so that PostgreSQL plans it once per session:
 # planning the statement cost more than running it.
 HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
-# The hand-over and the spend it moves (migrations 0013, 0014).
+# The hand-over and the spend it moves (migrations 0013, 0015).
 HAND_OVER_SPEND = (
     "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
 )

@@ -16,7 +16,7 @@ from typing import Any
 from django.db.models import Case, F, PositiveIntegerField, Q, When
 
 from ..clock import DbNow, db_now_plus
-from ..models import TERMINAL_RUN_STATUSES, BatchRun, RunStatus
+from ..models import TERMINAL_RUN_STATUSES, BatchRun, RunSample, RunStatus
 from . import items
 
 OPEN = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
@@ -139,6 +139,9 @@ def reopen(run_id: int) -> bool:
             error="",
         )
     )
+    # Its samples' windows counted the items put back as ended: they no longer hold, and the
+    # run's charts count its items (fanout.charts), open or not.
+    RunSample.objects.filter(run_id=run_id).update(upto=None)
     return bool(moved)
 
 

@@ -167,6 +167,14 @@ FanOut("t_strict", params={"n": int, "label": (str, "none")}, join=summarize, **
 FanOut("t_refuse_empty", allow_empty=False, join=summarize, **common)
 
 
+def spawn_refused(item: Item) -> Any:
+    """Hand the item to a child run whose params its definition refuses: the spawn fails."""
+    return item.spawn("t_strict", params={"n": "not a number"})
+
+
+FanOut("t_spawn_refused", over=numbered, key=item_key, do=spawn_refused, max_attempts=1)
+
+
 # Work lists that are not ranges: a queryset, a plain list, a generator.
 
 last_querysets: list[Any] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from argparse import ArgumentTypeError
 from datetime import timedelta
 from typing import Any
@@ -44,7 +45,7 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
+    if not 0 <= value < math.inf:  # NaN and infinity too: a rest that never ends
         raise ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
