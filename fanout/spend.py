@@ -305,14 +305,21 @@ def _roll_ended(accounts: Any) -> None:
     """Start again the pool's periods that have ended, as the next claim would: what a call
     spent counts in the period it settles in, not in one a claim will wipe."""
     now = db_now()
-    ended = accounts.filter(period__isnull=False, period_started_at__isnull=False)
-    for pk, period, started in ended.values_list("pk", "period", "period_started_at"):
-        if now < started + timedelta(seconds=period):
+    started = accounts.filter(period_started_at__isnull=False)
+    rows = started.values_list("pk", "period", "calendar", "period_started_at")
+    for pk, period, calendar, began in rows:
+        if calendar:
+            start = calendar_start(now, calendar)
+            if began >= start:
+                continue
+        elif period is None or now < began + timedelta(seconds=period):
             continue
-        periods = math.floor((now - started).total_seconds() / period)
+        else:
+            periods = math.floor((now - began).total_seconds() / period)
+            start = began + timedelta(seconds=periods * period)
         # Only from the start it was read with: a claim that rolled it meanwhile wins.
-        SpendAccount.objects.filter(pk=pk, period_started_at=started).update(
-            spent=0.0, period_started_at=started + timedelta(seconds=periods * period)
+        SpendAccount.objects.filter(pk=pk, period_started_at=began).update(
+            spent=0.0, period_started_at=start
         )
 
 

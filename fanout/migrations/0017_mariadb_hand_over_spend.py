@@ -223,9 +223,13 @@ def text_type(connection, table, column):
 
 
 def create(apps, schema_editor):
+    if schema_editor.connection.vendor == "mysql":
+        install(schema_editor, HAND_OVER_SPEND)
+
+
+def install(schema_editor, hand_over_spend):
+    """The function and this text of the procedure (a later migration gives its own)."""
     connection = schema_editor.connection
-    if connection.vendor != "mysql":
-        return
     types = {name: text_type(connection, *where) for name, where in COLUMNS.items()}
     amounts = {
         "actual_rate": _of("v_actual", "rate_unit"),
@@ -237,7 +241,7 @@ def create(apps, schema_editor):
     for statement in DROP:
         schema_editor.execute(statement)
     schema_editor.execute(ADD_UNITS.format(**types))
-    schema_editor.execute(HAND_OVER_SPEND.format(**types, **amounts))
+    schema_editor.execute(hand_over_spend.format(**types, **amounts))
 
 
 def drop(apps, schema_editor):
