@@ -39,10 +39,10 @@ __all__ = [
     "Progress",
     "failure_groups",
     "final_report",
+    "held_back",
     "pool_states",
     "progress_of",
     "snapshot",
-    "waiting",
 ]
 
 FAILED_LISTED = 10_000  # a report lists at most this many failed items
@@ -90,7 +90,8 @@ class Progress:
     # Per item status; "pending" includes the held ones.
     counts: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in ItemStatus})
     # Pending items held back now, per reason: a retry not yet due, a pool that admits nothing.
-    waiting: dict[str, int] = field(default_factory=dict)
+    # Not items in status "waiting", which wait on a child run.
+    held_back: dict[str, int] = field(default_factory=dict)
     pool_items: dict[str, int] = field(default_factory=dict)
     activity: RunActivity = field(default_factory=RunActivity)
     # Why its claimable items are not running: max_parallel, busy workers, stalled; or "".
@@ -113,12 +114,12 @@ class Progress:
 
     @property
     def held(self) -> int:
-        return sum(self.waiting.values())
+        return sum(self.held_back.values())
 
     @property
-    def waiting_text(self) -> str:
+    def held_back_text(self) -> str:
         """The held items' reasons in one line: "pool-a: pool paused (9); retry not yet due (2)"."""
-        return "; ".join(f"{reason} ({n:,})" for reason, n in self.waiting.items())
+        return "; ".join(f"{reason} ({n:,})" for reason, n in self.held_back.items())
 
     @property
     def stalled(self) -> bool:
@@ -192,7 +193,7 @@ class Progress:
 
     def _hold(self, reason: str, n: int) -> None:
         if n:
-            self.waiting[reason] = self.waiting.get(reason, 0) + n
+            self.held_back[reason] = self.held_back.get(reason, 0) + n
 
 
 def progress_of(
@@ -233,7 +234,7 @@ def snapshot(run: BatchRun) -> Progress:
     return progress[run.pk]
 
 
-def waiting(run_id: int, now: datetime | None = None) -> dict[str, int]:
+def held_back(run_id: int, now: datetime | None = None) -> dict[str, int]:
     """The run's pending items held back now, counted per reason.
 
     An item waits when its retry is not yet due, or when its pool admits nothing now (paused,
@@ -241,7 +242,7 @@ def waiting(run_id: int, now: datetime | None = None) -> dict[str, int]:
     """
     run = BatchRun.objects.get(pk=run_id)
     progress, _ = progress_of([run], now or timezone.now())
-    return progress[run_id].waiting
+    return progress[run_id].held_back
 
 
 @dataclass

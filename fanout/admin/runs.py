@@ -75,7 +75,7 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "segments": progress.segments(),
         "rate": human_rate(progress.rate()),
         "duration": human_duration(run.duration),
-        "waiting": progress.waiting,
+        "waiting": progress.held_back,  # the page's "Waiting:" line (run_progress.js)
         "why": progress.why,
         "stalled": progress.stalled,
     }
