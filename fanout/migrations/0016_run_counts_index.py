@@ -16,8 +16,10 @@ _MYSQL = (
     "CREATE INDEX fanout_item_run_counts_idx ON fanout_itemclaim "
     "(run_id, status, pool, error_class, next_attempt_at, lease_expires_at, id)"
 )
+# Built beside live writers: a plain CREATE INDEX would hold every write of the table back while
+# it reads the whole table (MariaDB's InnoDB builds it online by itself).
 _POSTGRESQL = (
-    "CREATE INDEX IF NOT EXISTS fanout_item_failed_idx ON fanout_itemclaim "
+    "CREATE INDEX CONCURRENTLY IF NOT EXISTS fanout_item_failed_idx ON fanout_itemclaim "
     "(run_id, error_class, id) WHERE status = 'failed'"
 )
 
@@ -35,13 +37,16 @@ def _backward(apps, schema_editor):
     if vendor == "mysql":
         schema_editor.execute("DROP INDEX fanout_item_run_counts_idx ON fanout_itemclaim")
     elif vendor == "postgresql":
-        schema_editor.execute("DROP INDEX IF EXISTS fanout_item_failed_idx")
+        schema_editor.execute("DROP INDEX CONCURRENTLY IF EXISTS fanout_item_failed_idx")
 
 
 class Migration(migrations.Migration):
+    # CREATE INDEX CONCURRENTLY runs outside a transaction, and MariaDB/MySQL cannot roll DDL
+    # back (Django refuses it inside a transaction there).
+    atomic = False
+
     dependencies = [
         ("fanout", "0015_hand_over_live_waiters"),
     ]
 
-    # MariaDB/MySQL cannot roll DDL back: Django refuses it inside a transaction there.
     operations = [migrations.RunPython(_forward, _backward, atomic=False)]
