@@ -243,7 +243,7 @@ class CapacityPoolAdmin(FanoutAdmin):
             .annotate(
                 in_flight=Count("pk", filter=live),
                 admitted=Count("pk", filter=admitted),
-                waiting=Count("pk", filter=Q(status=ItemStatus.PENDING)),
+                pending=Count("pk", filter=Q(status=ItemStatus.PENDING)),
             )
             .order_by()
         }
@@ -254,7 +254,7 @@ class CapacityPoolAdmin(FanoutAdmin):
             found[pool.pk] = PoolRow(
                 in_flight=in_flight,
                 admitted=row.get("admitted", 0),
-                pending=row.get("waiting", 0),
+                pending=row.get("pending", 0),
                 reason=pool_state(pool.name, pool, in_flight, now).reason,
             )
         return found
