@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 
 # What must hold on MariaDB as on PostgreSQL: racing parents and workers run every item once,
 # a SIGKILLed owner's item is reclaimed, limits stay exact across processes, and the model of
-# transitions (tests/test_model.py) holds every invariant there too.
+# transitions (tests/test_model.py) holds every invariant there too, and the run page's counts
+# read one index (tests/test_progress_plans.py).
 RACING_TESTS := tests/test_model.py tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
 	tests/test_slots.py tests/test_clock_skew.py tests/test_host_limit.py \
 	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py \
@@ -26,7 +27,7 @@ RACING_TESTS := tests/test_model.py tests/test_processes.py tests/pools/test_con
 	tests/test_retry_race.py tests/test_host_lock.py tests/test_model_findings.py \
 	tests/test_counters.py tests/pools/test_rate_overspend.py tests/test_hand_over.py \
 	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py \
-	tests/test_admission_agreement.py
+	tests/test_admission_agreement.py tests/test_progress_plans.py
 
 .PHONY: venv demo demo-llm test test-mariadb matrix docs lint clean
 

@@ -19,7 +19,7 @@ def exhausted_pool(h: Harness, result: Result) -> None:
     from django.utils import timezone
 
     from fanout.models import CapacityPool, ItemClaim
-    from fanout.report import waiting
+    from fanout.report import held_back
 
     CapacityPool.objects.update_or_create(
         name=POOL,
@@ -51,7 +51,7 @@ def exhausted_pool(h: Harness, result: Result) -> None:
     while time.monotonic() < deadline:
         now = timezone.now()
         for run_id in run_ids:
-            for why, count in durable(lambda r=run_id, t=now: waiting(r, t)).items():
+            for why, count in durable(lambda r=run_id, t=now: held_back(r, t)).items():
                 label = why.split(": ", 1)[-1].split(" (")[0]
                 reasons[label] = max(reasons.get(label, 0), count)
         leases = durable(lambda t=now: ItemClaim.objects.in_flight(t).filter(pool=POOL).count())

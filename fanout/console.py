@@ -36,7 +36,8 @@ class RunLine:
     percent: float
     rate: float | None
     eta_seconds: float | None
-    # Why its items are not running, the binding reason first; then the held items' reasons.
+    # Why its items are not running, the binding reason first; then the held items' reasons
+    # (Progress.held_back, under its --json key "waiting").
     why: str
     waiting: dict[str, int]
     stalled: bool
@@ -69,7 +70,7 @@ def _line(p: Progress, depth: int = 0) -> RunLine:
         rate=rate if open_ else (rate or None),
         eta_seconds=eta,
         why=p.why,
-        waiting=dict(p.waiting),
+        waiting=dict(p.held_back),
         stalled=p.stalled,
         parent_run=parent,
         depth=depth,

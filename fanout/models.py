@@ -268,6 +268,8 @@ class ItemClaim(models.Model):
             ),
             # The items a run ended in a window of time: its samples and its charts' tail.
             models.Index(fields=["run", "finished_at"], name="fanout_item_run_finished_idx"),
+            # A run page's counts by status and pool and of its failures by error class have
+            # indexes of their own that differ by database, made by migration 0019.
         ]
 
     def __str__(self) -> str:

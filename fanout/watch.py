@@ -135,7 +135,7 @@ def holds(snap: report.Progress) -> list[str]:
     running (max_parallel, busy workers, a stall), then the held items per reason, the largest
     group first (a pool full or rate limited, a retry not yet due)."""
     out = [snap.why] if snap.why else []
-    if snap.waiting:
-        held = sorted(snap.waiting.items(), key=lambda reason_n: -reason_n[1])
+    if snap.held_back:
+        held = sorted(snap.held_back.items(), key=lambda reason_n: -reason_n[1])
         out.append("waiting: " + ", ".join(f"{n} {why}" for why, n in held))
     return out

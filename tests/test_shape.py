@@ -363,3 +363,62 @@ def test_the_walk_finds_a_function_level_import_and_each_import_cycle() -> None:
     assert cycles(graph) == [["fanout.high", "fanout.low", "fanout.top"]]
     del graph["fanout.high"]  # without the lazy import of top (and low's of high), no circle
     assert cycles(graph) == []
+
+
+# Facts patched onto model instances (``run.fanout_progress = ...``, read back with getattr and
+# a default) are invisible to a reader of the model and to a type checker: a page's facts travel
+# in a mapping of their own (fanout.admin.common.page_facts).
+PATCHED_PREFIX = "fanout_"
+
+
+def patched_attributes(source: str) -> Iterator[tuple[int, str]]:
+    """(line, name) of each ``obj.fanout_x = ...`` (plain, annotated, augmented, or among
+    several targets) and ``setattr(obj, "fanout_x", ...)`` in the module's source."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Attribute) and part.attr.startswith(PATCHED_PREFIX):
+                        yield node.lineno, part.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith(PATCHED_PREFIX)
+        ):
+            yield node.lineno, node.args[1].value
+
+
+def test_no_fanout_module_patches_fanout_attributes_onto_objects() -> None:
+    found = {
+        module: sorted(set(patched_attributes(source)))
+        for module, source in module_sources().items()
+    }
+
+    assert {module: names for module, names in found.items() if names} == {}
+
+
+def test_the_walk_finds_each_kind_of_patched_attribute() -> None:
+    # The check above can fail: each form is found, and a plain name or another prefix is not.
+    source = """
+run.fanout_progress = 1
+item.fanout_waits, item.fanout_held = why
+pool.fanout_admitted += 1
+row.fanout_now: datetime = now
+setattr(pool, "fanout_reason", "")
+fanout_total = 2
+run.progress = 3
+setattr(pool, "reason", "")
+"""
+    assert [name for _, name in sorted(patched_attributes(source))] == [
+        "fanout_progress",
+        "fanout_held",
+        "fanout_waits",
+        "fanout_admitted",
+        "fanout_now",
+        "fanout_reason",
+    ]

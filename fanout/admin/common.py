@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 from django.contrib import admin, messages
@@ -166,13 +168,28 @@ def counter_drift_display(model_admin: Any, obj: Any) -> str:
     )
 
 
+# The facts of the list page being drawn, {pk: what its admin's read_page found}. One
+# ModelAdmin serves every request thread, so they are set in the request's own context, for
+# the time it takes to draw the rows, never on the admin (nor patched onto the rows).
+_page: ContextVar[Mapping[Any, Any]] = ContextVar("fanout_page", default=MappingProxyType({}))
+
+
+def page_facts(obj: Any) -> Any:
+    """What the list page being drawn read for ``obj`` (its admin's read_page), or None."""
+    return _page.get().get(obj.pk)
+
+
 class PageChangeList(ChangeList):
-    """A changelist whose admin reads what its columns show for the whole page at once."""
+    """A changelist whose admin reads what its columns show for the whole page at once: its
+    ``facts``, {pk: what read_page found}."""
+
+    facts: Mapping[Any, Any]
 
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
         # Evaluates the page (the template then iterates the cached rows).
-        self.model_admin.read_page(request, list(self.result_list))  # type: ignore[attr-defined]
+        rows = list(self.result_list)
+        self.facts = self.model_admin.read_page(request, rows)  # type: ignore[attr-defined]
 
 
 class FanoutAdmin(admin.ModelAdmin):
@@ -189,8 +206,25 @@ class FanoutAdmin(admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return PageChangeList
 
-    def read_page(self, request: HttpRequest, rows: list[Any]) -> None:
-        """Read what the page's columns show for all its rows at once."""
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        response = super().changelist_view(request, extra_context)
+        if not isinstance(response, TemplateResponse):
+            return response  # a redirect after an action or a save
+        cl = (response.context_data or {}).get("cl")
+        if not isinstance(cl, PageChangeList):
+            return response  # an action's own page
+        # The columns read the page's facts while the rows are drawn: draw them here, with the
+        # facts set, rather than after the view has returned.
+        token = _page.set(cl.facts)
+        try:
+            response.render()
+        finally:
+            _page.reset(token)
+        return response
+
+    def read_page(self, request: HttpRequest, rows: list[Any]) -> Mapping[Any, Any]:
+        """What the page's columns show, read for all its rows at once: {pk: facts}."""
+        return {}
 
 
 def _runs(pks: list[int]) -> str:

@@ -4,7 +4,8 @@ by workers only: nobody adds, edits or deletes one by hand."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any
 
@@ -32,6 +33,7 @@ from .common import (
     clipped,
     confirm_stranded,
     json_block,
+    page_facts,
     redispatch,
     short_error,
     time_field,
@@ -57,6 +59,16 @@ EMPTY_COLUMNS = {
 
 WORKER_LOST = "WorkerLost"  # the error class of an attempt whose worker stopped renewing
 PENDING_ONLY = ("why_it_waits_now", "next_attempt")
+
+
+@dataclass(frozen=True)
+class ItemRow:
+    """An item's line in the list: the time the page was read at, why a pending item waits,
+    and whether that holds it back (a full or paused pool, a retry not yet due)."""
+
+    now: datetime
+    why: str = ""
+    held_back: bool = False
 
 
 def _without(fields: Any, names: tuple[str, ...]) -> list[Any]:
@@ -182,13 +194,11 @@ class ItemClaimAdmin(FanoutAdmin):
         empty = EMPTY_COLUMNS.get(request.GET.get("status", ""), ())
         return tuple(c for c in self.list_display if c not in empty)
 
-    def read_page(self, request: HttpRequest, items: list[ItemClaim]) -> None:
+    def read_page(self, request: HttpRequest, items: list[ItemClaim]) -> dict[int, ItemRow]:
         """Decide "why it waits" for the page's pending items at once."""
         now = timezone.now()
         why = why_items_wait([i for i in items if i.status == ItemStatus.PENDING], now)
-        for item in items:
-            item.fanout_now = now  # type: ignore[attr-defined]
-            item.fanout_waits, item.fanout_held = why.get(item.pk, ("", False))  # type: ignore[attr-defined]
+        return {item.pk: ItemRow(now, *why.get(item.pk, ("", False))) for item in items}
 
     # Items change only through the actions below.
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -254,7 +264,8 @@ class ItemClaimAdmin(FanoutAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, item: ItemClaim) -> str:
-        if getattr(item, "fanout_held", False):
+        row: ItemRow | None = page_facts(item)
+        if row is not None and row.held_back:
             return format_html(
                 '<span class="fanout-badge fanout-waiting" title="{}">Held back</span>',
                 "pending, held back: see why it waits",
@@ -279,7 +290,8 @@ class ItemClaimAdmin(FanoutAdmin):
         holder = worker_name(item.owner, short=True)
         if item.status != ItemStatus.RUNNING or item.lease_expires_at is None:
             return holder
-        now = getattr(item, "fanout_now", None) or timezone.now()
+        row: ItemRow | None = page_facts(item)
+        now = row.now if row is not None else timezone.now()
         left = item.lease_expires_at - now
         if left <= timedelta(0):
             return format_html(
@@ -293,7 +305,8 @@ class ItemClaimAdmin(FanoutAdmin):
 
     @admin.display(description="why it waits")
     def why_it_waits(self, item: ItemClaim) -> str:
-        return clipped(getattr(item, "fanout_waits", ""), "fanout-why")
+        row: ItemRow | None = page_facts(item)
+        return clipped(row.why if row is not None else "", "fanout-why")
 
     @admin.display(description="last error")
     def last_error(self, item: ItemClaim) -> str:

@@ -3,6 +3,7 @@ editable limits (never the token bucket the workers write), pause and resume."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,11 +28,26 @@ from .common import (
     counter_drift_display,
     gauge,
     items_url,
+    page_facts,
     time_field,
 )
 from .spend import budget_bars
 
 RUNS_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class PoolRow:
+    """A pool's line in the list: its live leases, admissions in its rate period, pending
+    items, and why it admits nothing ("" while it admits)."""
+
+    in_flight: int = 0
+    admitted: int = 0
+    pending: int = 0
+    reason: str = ""
+
+
+NO_ROW = PoolRow()
 
 
 def pool_runs(name: str, limit: int = RUNS_SHOWN) -> list[dict[str, Any]]:
@@ -210,10 +226,10 @@ class CapacityPoolAdmin(FanoutAdmin):
             return
         super().save_model(request, obj, form, change)
 
-    def read_page(self, request: HttpRequest, pools: list[CapacityPool]) -> None:
+    def read_page(self, request: HttpRequest, pools: list[CapacityPool]) -> dict[int, PoolRow]:
         """Live leases, admissions in each pool's rate period and pending items: one query."""
         if not pools:
-            return
+            return {}
         now = timezone.now()
         admitted = Q()
         for pool in pools:
@@ -227,17 +243,21 @@ class CapacityPoolAdmin(FanoutAdmin):
             .annotate(
                 in_flight=Count("pk", filter=live),
                 admitted=Count("pk", filter=admitted),
-                waiting=Count("pk", filter=Q(status=ItemStatus.PENDING)),
+                pending=Count("pk", filter=Q(status=ItemStatus.PENDING)),
             )
             .order_by()
         }
+        found = {}
         for pool in pools:
             row = rows.get(pool.name, {})
-            pool.fanout_in_flight = row.get("in_flight", 0)  # type: ignore[attr-defined]
-            pool.fanout_admitted = row.get("admitted", 0)  # type: ignore[attr-defined]
-            pool.fanout_waiting = row.get("waiting", 0)  # type: ignore[attr-defined]
-            state = pool_state(pool.name, pool, pool.fanout_in_flight, now)  # type: ignore[attr-defined]
-            pool.fanout_reason = state.reason  # type: ignore[attr-defined]
+            in_flight = row.get("in_flight", 0)
+            found[pool.pk] = PoolRow(
+                in_flight=in_flight,
+                admitted=row.get("admitted", 0),
+                pending=row.get("pending", 0),
+                reason=pool_state(pool.name, pool, in_flight, now).reason,
+            )
+        return found
 
     # ------------------------------------------------------------------ columns
 
@@ -249,7 +269,7 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     @admin.display(description="state")
     def state(self, pool: CapacityPool) -> str:
-        reason = getattr(pool, "fanout_reason", "")
+        reason = (page_facts(pool) or NO_ROW).reason
         css = "paused" if pool.paused else ("blocked" if reason else "admitting")
         return format_html(
             '<span class="fanout-badge fanout-pool-{}">{}</span>', css, reason or "admitting"
@@ -257,12 +277,12 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     @admin.display(description="in flight")
     def concurrency_gauge(self, pool: CapacityPool) -> str:
-        n = getattr(pool, "fanout_in_flight", 0)
+        n = (page_facts(pool) or NO_ROW).in_flight
         return gauge(n, pool.max_concurrency, f"{n} / {pool.max_concurrency}")
 
     @admin.display(description="admitted in the last period")
     def admissions(self, pool: CapacityPool) -> str:
-        n = getattr(pool, "fanout_admitted", 0)
+        n = (page_facts(pool) or NO_ROW).admitted
         period = f"{pool.rate_period:g}s"
         if pool.rate_count is None:
             return f"{n} in {period} (no rate limit)"
@@ -271,7 +291,7 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     @admin.display(description="pending items")
     def waiting_items(self, pool: CapacityPool) -> str:
-        n = getattr(pool, "fanout_waiting", 0)
+        n = (page_facts(pool) or NO_ROW).pending
         if not n:
             return "0"
         return format_html(

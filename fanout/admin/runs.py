@@ -45,6 +45,7 @@ from .common import (
     json_block,
     page_action_form,
     page_actions,
+    page_facts,
     redispatch,
     short_error,
     stranded_runs,
@@ -74,7 +75,7 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "segments": progress.segments(),
         "rate": human_rate(progress.rate()),
         "duration": human_duration(run.duration),
-        "waiting": progress.waiting,
+        "waiting": progress.held_back,  # the page's "Waiting:" line (run_progress.js)
         "why": progress.why,
         "stalled": progress.stalled,
     }
@@ -232,10 +233,10 @@ class BatchRunAdmin(FanoutAdmin):
         counts = ", ".join(f"{n:,} {s}" for s, n in tree["counts"].items() if n)
         return f"{tree['runs']} runs: {counts}"
 
-    def read_page(self, request: HttpRequest, runs: list[BatchRun]) -> None:
+    def read_page(self, request: HttpRequest, runs: list[BatchRun]) -> dict[int, Progress]:
+        """Each run's progress, for its status and its bar."""
         progress, _ = progress_of(runs, timezone.now())
-        for run in runs:
-            run.fanout_progress = progress[run.pk]  # type: ignore[attr-defined]
+        return progress
 
     # Runs are created by starting a definition, and deleting one would list all its items.
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -301,7 +302,7 @@ class BatchRunAdmin(FanoutAdmin):
     def status_badge(self, run: BatchRun) -> str:
         # An open run that nobody works on says so where the eye lands first, not only in the
         # reason under its bar: "Running" there read as all well.
-        progress: Progress | None = getattr(run, "fanout_progress", None)
+        progress: Progress | None = page_facts(run)
         if progress is not None and progress.stalled and not run.is_terminal:
             return format_html(
                 '<span class="fanout-badge fanout-failed" title="{}">Stalled</span>',
@@ -313,7 +314,9 @@ class BatchRunAdmin(FanoutAdmin):
 
     @admin.display(description="progress")
     def progress_bar(self, run: BatchRun) -> str:
-        progress: Progress = run.fanout_progress  # type: ignore[attr-defined]
+        progress: Progress | None = page_facts(run)
+        if progress is None:
+            return ""
         return render_to_string(
             "fanout/admin/run_progress_cell.html",
             {

@@ -8,6 +8,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from fanout.admin.pools import PoolRow
 from fanout.models import CapacityPool, ItemClaim, ItemStatus
 
 from .helpers import action, make_run, messages_of
@@ -21,9 +22,11 @@ def change_url(pool: CapacityPool) -> str:
     return reverse("admin:fanout_capacitypool_change", args=[pool.pk])
 
 
-def row(response, name: str) -> CapacityPool:
-    [pool] = [p for p in response.context["cl"].result_list if p.name == name]
-    return pool
+def row(response, name: str) -> PoolRow:
+    """What the pool list shows on the line of the pool ``name``."""
+    cl = response.context["cl"]
+    [pool] = [p for p in cl.result_list if p.name == name]
+    return cl.facts[pool.pk]
 
 
 def test_the_pool_list_shows_in_flight_against_the_limit_and_a_full_pool_as_blocked(
@@ -34,9 +37,9 @@ def test_the_pool_list_shows_in_flight_against_the_limit_and_a_full_pool_as_bloc
 
     response = admin_client.get(CHANGELIST)
 
-    pool = row(response, "provider-a")
-    assert pool.fanout_in_flight == 3 and pool.fanout_waiting == 4
-    assert pool.fanout_reason == "pool full (3/3)"
+    assert row(response, "provider-a") == PoolRow(
+        in_flight=3, admitted=3, pending=4, reason="pool full (3/3)"
+    )
     html = response.content.decode()
     assert '<meter min="0" max="3"' in html and "3 / 3" in html
     assert "pool full (3/3)" in html
@@ -58,8 +61,8 @@ def test_admissions_count_claims_within_each_pools_own_rate_period(admin_client)
 
     response = admin_client.get(CHANGELIST)
 
-    assert row(response, "per-second").fanout_admitted == 2
-    assert row(response, "per-minute").fanout_admitted == 4
+    assert row(response, "per-second").admitted == 2
+    assert row(response, "per-minute").admitted == 4
     assert "2 / 5 per 1s" in response.content.decode()
 
 

@@ -117,7 +117,7 @@ def test_the_run_page_shows_the_join_result_and_the_pools_with_their_state(admin
     assert pool["state"].reason == "pool paused"
     # Its pending items wait for the paused pool.
     assert response.context["counts"]["waiting"] == 2
-    assert response.context["progress"].waiting == {"provider-a: pool paused": 2}
+    assert response.context["progress"].held_back == {"provider-a: pool paused": 2}
 
 
 def test_the_run_page_polls_while_the_run_is_active_and_not_after(admin_client):
@@ -570,8 +570,7 @@ def test_a_run_with_items_ready_says_why_no_more_of_them_run(
 
     response = admin_client.get(CHANGELIST)
 
-    [shown] = [r for r in response.context["cl"].result_list if r.pk == run.pk]
-    assert shown.fanout_progress.why == why
+    assert response.context["cl"].facts[run.pk].why == why
     assert why in response.content.decode()
     assert why in response.content.decode()
 
@@ -582,7 +581,7 @@ def test_held_items_are_explained_by_their_reasons_not_by_a_stall(admin_client):
 
     progress = admin_client.get(change_url(run)).context["progress"]
 
-    assert progress.waiting == {"retry not yet due": 1, "provider-a: pool paused": 3}
+    assert progress.held_back == {"retry not yet due": 1, "provider-a: pool paused": 3}
     assert progress.why == ""
 
 

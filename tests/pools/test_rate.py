@@ -17,7 +17,7 @@ from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.models import BatchRun, CapacityPool, ItemClaim, RunStatus
 from fanout.pools import refill
-from fanout.report import waiting
+from fanout.report import held_back
 from tests.procs import finish, wait_until
 from tests.testapp.fanouts_pools import BUSY_POOL, RATE_POOL
 from tests.testapp.models import Execution
@@ -55,7 +55,7 @@ def test_a_rate_of_20_per_second_never_admits_more_than_rate_plus_burst_in_any_s
     def rate_limited_or_over() -> bool:
         run = BatchRun.objects.filter(run_key="rate").first()
         if run is not None:
-            seen.append(waiting(run.pk))
+            seen.append(held_back(run.pk))
         return any(f"{RATE_POOL}: rate limited" in w for w in seen) or all(
             proc.poll() is not None for proc in procs
         )

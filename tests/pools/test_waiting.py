@@ -13,7 +13,7 @@ from django.utils import timezone
 
 import fanout.worker
 from fanout.models import CapacityPool, ItemClaim, ItemStatus, RunStatus
-from fanout.report import waiting
+from fanout.report import held_back
 from tests.procs import wait_until
 from tests.testapp.fanouts_pools import HOLD_POOL, THROTTLE_POOL
 from tests.testapp.models import Execution
@@ -39,7 +39,7 @@ def test_throttled_backs_the_whole_pool_off_and_charges_no_attempt(inline: Any) 
     now = timezone.now()
     assert now < pool.backoff_until, "the backoff ended before it could be looked at"
     # The other items wait on the pool, visibly; the throttled one waits for its own retry.
-    assert waiting(run_id, now) == {f"{THROTTLE_POOL}: throttled": 4, "retry not yet due": 1}
+    assert held_back(run_id, now) == {f"{THROTTLE_POOL}: throttled": 4, "retry not yet due": 1}
     throttled = ItemClaim.objects.get(run_id=run_id, key="k00000")
     assert (throttled.status, throttled.attempt) == (ItemStatus.PENDING, 1)
 
@@ -96,7 +96,7 @@ def test_a_held_pool_keeps_every_item_waiting_visibly_and_drains_once_resumed(
     # Every worker has asked for items, more than once, and was told why not.
     wait_until(lambda: refusals[f"{HOLD_POOL}: {reason}"] >= 9, 10, "workers to be refused")
     assert set(refusals) == {f"{HOLD_POOL}: {reason}"}
-    assert waiting(run_id) == {f"{HOLD_POOL}: {reason}": 5}
+    assert held_back(run_id) == {f"{HOLD_POOL}: {reason}": 5}
     assert (
         list(ItemClaim.objects.filter(run_id=run_id).values_list("status", "attempt"))
         == [(ItemStatus.PENDING, 1)] * 5
