@@ -424,10 +424,14 @@ class Drain:
 
     def _expired_waiting(self) -> bool:
         """Whether the run has expired leases to reclaim; asked at most twice a second per
-        process and run."""
+        process and run, by a hand-over or a claim (which reclaims what it finds)."""
         now = time.monotonic()
         with _wake:
-            if now - _expired_asked.get(self.run_id, 0.0) < EXPIRED_CHECK_SECONDS:
+            # A claim that found expired leases left its time at 0: it looks again at once.
+            asked = max(
+                _expired_asked.get(self.run_id, 0.0), _expired_checked.get(self.run_id, 0.0)
+            )
+            if now - asked < EXPIRED_CHECK_SECONDS:
                 return False
             _expired_asked[self.run_id] = now
         found = bool(
