@@ -34,7 +34,7 @@ from .models import BatchRun
 from .queues import ALIVE_TTL, drain_threads, enqueue_slot, get_queue, slot_key
 from .stall import clear_stall, note_stall
 from .supervise import Supervisor
-from .worker import SERVING, Roam, owner_name, serve_first
+from .worker import SERVING, Roam, joiner, owner_name, serve_first
 
 logger = logging.getLogger("fanout")
 
@@ -160,6 +160,7 @@ def _serve(job: Any, key: str, alive_ttl: int, crew: _Crew, run_id: int) -> bool
                 released,
             )
             return False
+        _settle_joins(job, key, alive_ttl)
     except BaseException:
         # The worker is being shut down hard: give back what we hold before leaving. Items
         # whose handlers finished are recorded (by their threads within moments, or here);
@@ -174,6 +175,22 @@ def _serve(job: Any, key: str, alive_ttl: int, crew: _Crew, run_id: int) -> bool
         _running.discard(crew.stop)
         crew.keepers.stop()
     return True
+
+
+def _settle_joins(job: Any, key: str, alive_ttl: int) -> None:
+    """Wait, beating, for the joins the threads left to this process's joiner: a forked work
+    horse ends with its job. A stopping worker waits no longer than its grace period; a join
+    it leaves is taken up by a supervisor, as the join of a worker that died."""
+    checked = [0.0]
+    stopping_since: float | None = None
+    while not joiner.settle(0.1):
+        _heartbeat(job, key, alive_ttl)
+        if stopping_since is None and _worker_stopping(job, checked):
+            stopping_since = time.monotonic()
+        if stopping_since is not None and (
+            time.monotonic() - stopping_since > conf.STOP_GRACE_SECONDS
+        ):
+            return
 
 
 def _definition_here(run: BatchRun) -> FanOut | None:

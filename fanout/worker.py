@@ -103,6 +103,93 @@ def _gate_set(run_id: int, result: ClaimResult) -> None:
         _gate[run_id] = time.monotonic() + wait
 
 
+class Joiner:
+    """Joins the runs that this process's roaming threads finished, one after another.
+
+    A run's join reads every outcome and calls the definition's join: a thread that waited for
+    it would idle while other runs of its queue have admissible items. The join stays elected
+    by one conditional UPDATE (fanout.join), so it does not matter which thread runs it; a join
+    lost with its process is taken up by a supervisor, as any join whose worker died.
+    """
+
+    IDLE_EXIT_SECONDS = 2.0  # the thread (and its connection) leaves after this long unused
+
+    def __init__(self) -> None:
+        self._runs: dict[int, FanOut] = {}  # waiting to be joined, in the order they came
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._changed = threading.Condition()
+
+    def add(self, run_id: int, definition: FanOut) -> None:
+        """Join the run soon, if every item has finished by then."""
+        with self._changed:
+            self._runs[run_id] = definition
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name="fanout-joiner", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the joins asked for so far; True once done."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._runs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def _serve(self) -> None:
+        try:
+            while (job := self._next()) is not None:
+                try:
+                    self._join(*job)
+                finally:
+                    with self._changed:
+                        self._busy = False
+                        self._changed.notify_all()
+        finally:
+            connection.close()
+
+    def _next(self) -> tuple[int, FanOut] | None:
+        """The next run to join, or None (the thread leaves) after IDLE_EXIT_SECONDS idle."""
+        with self._changed:
+            if not self._runs:
+                self._changed.wait(self.IDLE_EXIT_SECONDS)
+            if not self._runs:
+                self._thread = None
+                return None
+            run_id = next(iter(self._runs))
+            self._busy = True
+            return run_id, self._runs.pop(run_id)
+
+    def _join(self, run_id: int, definition: FanOut) -> None:
+        pause = 0.1
+        while True:
+            try:
+                maybe_join(run_id, definition)
+                return
+            except DatabaseError as exc:
+                connection.close()
+                if not is_transient(exc):
+                    # As a drain that met it would: left to a supervisor, said in the log.
+                    logger.exception("run %s: join failed", run_id)
+                    return
+                logger.warning("run %s: database unavailable (%s); joining again", run_id, exc)
+                time.sleep(pause)  # a pause before reconnecting, not a wait for another thread
+                pause = min(pause * 2, 2.0)
+            except Exception:  # maybe_join records the join's own errors; this is a bug
+                logger.exception("run %s: join failed", run_id)
+                return
+
+
+# The one joiner of this process.
+joiner = Joiner()
+
+
 # Per run: when a hand-over of this process last asked for expired leases (time.monotonic()).
 _expired_asked: dict[int, float] = {}
 
@@ -288,12 +375,22 @@ class Drain:
             lambda: ItemClaim.objects.filter(run_id=self.run_id).unfinished().exists()
         )
         if unfinished is False:
-            self._db(lambda: maybe_join(self.run_id, self.definition))
-            return ""  # the next claim sees how it ended (or that it compensates)
+            self._join()
+            # The next claim sees how it ended (or that it compensates); a roaming thread,
+            # whose join runs beside it, serves other runs meanwhile.
+            return "run finished" if self.roam else ""
         if self._idle_too_long(result):
             return "idle: nothing claimable"
         self._idle(result)
         return ""
+
+    def _join(self) -> None:
+        """Join the run if every item has finished: a roaming thread leaves that to the
+        process's joiner and serves the next run at once; a run's own thread joins it."""
+        if self.roam:
+            joiner.add(self.run_id, self.definition)
+        else:
+            self._db(lambda: maybe_join(self.run_id, self.definition))
 
     def _execute(self, batch: Batch) -> None:
         self.batch = batch
@@ -327,10 +424,14 @@ class Drain:
 
     def _expired_waiting(self) -> bool:
         """Whether the run has expired leases to reclaim; asked at most twice a second per
-        process and run."""
+        process and run, by a hand-over or a claim (which reclaims what it finds)."""
         now = time.monotonic()
         with _wake:
-            if now - _expired_asked.get(self.run_id, 0.0) < EXPIRED_CHECK_SECONDS:
+            # A claim that found expired leases left its time at 0: it looks again at once.
+            asked = max(
+                _expired_asked.get(self.run_id, 0.0), _expired_checked.get(self.run_id, 0.0)
+            )
+            if now - asked < EXPIRED_CHECK_SECONDS:
                 return False
             _expired_asked[self.run_id] = now
         found = bool(
@@ -376,7 +477,7 @@ class Drain:
         if done.written:
             wake(1)  # a slot was given up: an idle worker of this process may take it
             if outcome.terminal:
-                self._db(lambda: maybe_join(self.run_id, self.definition))
+                self._join()
         return None
 
     def _claim(self, batch: Batch | None) -> ClaimResult | None:
@@ -410,7 +511,7 @@ class Drain:
         else:
             recorded = self._recorded(batch, result.before, result.items)
             if recorded.terminal and not result.items:
-                self._db(lambda: maybe_join(self.run_id, definition))
+                self._join()
         return result
 
     def _settle(self, batch: Batch) -> None:

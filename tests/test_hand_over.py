@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 
 from fanout.claim import claim
 from fanout.clock import db_now_plus
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
+from fanout.lease import LeaseKeeper
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus
 from fanout.transitions import SUCCEEDED, ExecutionOutcome, HandOver, hand_over, release_expired
+from fanout.worker import Batch, Drain
 from tests.procs import wait_until
 from tests.testapp.fanouts_slots import SLOTS_POOL
 
@@ -126,3 +129,22 @@ def test_a_hand_over_that_gives_its_slot_up_locks_the_runs_row_before_the_pools(
     run.refresh_from_db()
     assert run.in_flight == 0
     assert CapacityPool.objects.get(name=SLOTS_POOL).in_flight == 0
+
+
+def test_a_hand_over_just_after_a_claim_that_looked_for_expired_leases_does_not_look_again() -> (
+    None
+):
+    with_hand_over()
+    run = prepared("slots_run", n=3)
+    definition = get_definition("slots_run")
+    drain = Drain(run.pk, definition, LeaseKeeper(LEASE), run.params, roam=True)
+    # The drain's claim is the run's first in this process: it looks for expired leases.
+    taken = drain._claim(None)
+    assert taken is not None and len(taken.items) == 1
+    batch = Batch(taken.token, taken.items, taken.failure_policy)
+    batch.outcomes.append(succeeded(taken.items[0]))
+
+    with CaptureQueriesContext(connection) as queries:
+        assert drain._can_hand_over(batch)
+    # Every item's hand-over would otherwise cost a second round trip in a run's first moments.
+    assert [q["sql"] for q in queries.captured_queries] == []

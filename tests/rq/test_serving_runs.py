@@ -91,3 +91,25 @@ def test_a_worker_stopped_with_sigterm_records_the_finished_items_of_its_batch_b
     assert run.status == RunStatus.SUCCEEDED, run.error
     # What finished before the stop never ran again; only what never finished did.
     assert executions(run.pk) == Counter({k: 1 for k in keys(6)} | {"r00002": 2})
+
+
+def test_a_thread_whose_run_ended_serves_the_next_run_while_the_run_is_joined(
+    processes: Any, tmp_path: Path
+) -> None:
+    # One thread: it must not sit in a run's join while another run has an admissible item.
+    processes.workers(1, FANOUT_WORKER_THREADS=1)
+    go = tmp_path / "go"
+    params = {"n": 1, "block_key": "r00000", "block_file": str(go)}
+    slow = get_definition("rq_slow_join").start(params, "slow-join", executor="rq", wait=False)
+    started_call(slow.pk, "r00000")
+    other = get_definition("rq_single").start({"n": 1}, "next", executor="rq", wait=False)
+    go.touch()
+
+    other = finished_run(other.pk)
+    slow = finished_run(slow.pk, timeout=60)
+    assert slow.status == RunStatus.SUCCEEDED, slow.error
+    assert other.status == RunStatus.SUCCEEDED, other.error
+    assert slow.join_runs == 1
+    # The other run's item started while the slow run was being joined, not after.
+    assert item(other.pk, "r00000").started_at < slow.finished_at
+    assert other.finished_at < slow.finished_at

@@ -58,6 +58,16 @@ def tally(outcomes: Iterable[Outcome]) -> dict[str, int]:
     return {"items": sum(counts.values()), "succeeded": counts["succeeded"]}
 
 
+# Seconds the join of rq_slow_join takes: a join that reads a large run's outcomes.
+SLOW_JOIN_SECONDS = 3.0
+
+
+def slow_tally(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    counted = tally(outcomes)
+    time.sleep(SLOW_JOIN_SECONDS)
+    return counted
+
+
 common: dict[str, Any] = dict(over=numbered, key=rq_key, join=tally)
 
 FanOut("rq_items", do=ledger, max_parallel=4, **common)
@@ -68,6 +78,8 @@ FanOut("rq_crash", do=ledger, lease_seconds=2, max_attempts=1, max_parallel=4, *
 FanOut("rq_noop", do=noop, batch_size=50, max_parallel=100, **common)
 # One item at a time per run: many such runs share one worker process's threads.
 FanOut("rq_single", do=ledger, max_parallel=1, **common)
+# One item at a time, and a join that takes seconds.
+FanOut("rq_slow_join", do=ledger, max_parallel=1, **{**common, "join": slow_tally})
 # Batches of 3: a thread runs a batch's items one after another and records them together.
 FanOut("rq_batched", do=ledger, batch_size=3, max_parallel=3, **common)
 # Drain jobs go to the queue `fanout-gpu`: only workers started on it run them.
