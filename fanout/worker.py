@@ -104,67 +104,49 @@ def _gate_set(run_id: int, result: ClaimResult) -> None:
 
 
 class Joiner:
-    """Joins the runs that this process's roaming threads finished, one after another.
+    """Joins the runs that this process's roaming threads finished, each on a thread of its own.
 
     A run's join reads every outcome and calls the definition's join: a thread that waited for
-    it would idle while other runs of its queue have admissible items. The join stays elected
+    it would idle while other runs of its queue have admissible items, and a join that waited
+    for another run's (a slow join of its own) would end its run late. The join stays elected
     by one conditional UPDATE (fanout.join), so it does not matter which thread runs it; a join
     lost with its process is taken up by a supervisor, as any join whose worker died.
     """
 
-    IDLE_EXIT_SECONDS = 2.0  # the thread (and its connection) leaves after this long unused
-
     def __init__(self) -> None:
-        self._runs: dict[int, FanOut] = {}  # waiting to be joined, in the order they came
-        self._busy = False
-        self._thread: threading.Thread | None = None
+        self._joining: set[int] = set()  # runs whose join thread has not ended
         self._changed = threading.Condition()
 
     def add(self, run_id: int, definition: FanOut) -> None:
         """Join the run soon, if every item has finished by then."""
         with self._changed:
-            self._runs[run_id] = definition
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._serve, name="fanout-joiner", daemon=True
-                )
-                self._thread.start()
-            self._changed.notify_all()
+            if run_id in self._joining:
+                return
+            self._joining.add(run_id)
+        name = f"fanout-join-{run_id}"
+        threading.Thread(
+            target=self._serve, args=(run_id, definition), name=name, daemon=True
+        ).start()
 
     def settle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the joins asked for so far; True once done."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while self._runs or self._busy:
+            while self._joining:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._changed.wait(left)
         return True
 
-    def _serve(self) -> None:
+    def _serve(self, run_id: int, definition: FanOut) -> None:
         try:
-            while (job := self._next()) is not None:
-                try:
-                    self._join(*job)
-                finally:
-                    with self._changed:
-                        self._busy = False
-                        self._changed.notify_all()
+            self._join(run_id, definition)
         finally:
             connection.close()
-
-    def _next(self) -> tuple[int, FanOut] | None:
-        """The next run to join, or None (the thread leaves) after IDLE_EXIT_SECONDS idle."""
-        with self._changed:
-            if not self._runs:
-                self._changed.wait(self.IDLE_EXIT_SECONDS)
-            if not self._runs:
-                self._thread = None
-                return None
-            run_id = next(iter(self._runs))
-            self._busy = True
-            return run_id, self._runs.pop(run_id)
+            with self._changed:
+                self._joining.discard(run_id)
+                self._changed.notify_all()
 
     def _join(self, run_id: int, definition: FanOut) -> None:
         pause = 0.1
