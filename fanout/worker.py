@@ -346,9 +346,12 @@ class Drain:
         outcome = batch.outcomes[0]
         token = uuid.uuid4()
         began = time.perf_counter()
+        # A call that said what it cost (report_cost, cost_from=) moves spend even in a run
+        # that reserves nothing: the plain hand-over would drop its cost.
+        spending = self.spend or outcome.accounted
         done = self._db(
             partial(
-                hand_over_spending if self.spend else hand_over,
+                hand_over_spending if spending else hand_over,
                 self.run_id,
                 batch.token,
                 outcome,

@@ -167,3 +167,19 @@ def test_the_demo_providers_429_is_a_throttle_not_a_handler_error() -> None:
     with pytest.raises(Throttled) as answered:  # its bucket is empty: 429
         provider.complete("swift-small", "p", 300, "seed")
     assert answered.value.retry_after == 0.5 and "429" in str(answered.value)
+
+
+def test_a_cost_read_from_the_answer_without_an_estimate_or_budget_reaches_item_and_pool() -> None:
+    # The docs' promise: without cost= or a run budget, the answer's cost is kept on the item
+    # and counted by its pool's budget, on every path an outcome takes (a claim that records
+    # it, or the hand-over of its slot to the next item).
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=1)
+    pool_account = SpendAccount.objects.create(pool=SPEND_POOL, unit="usd", budget=100)
+    run = get_definition("spend_billed_pooled").start({"n": 10}, workers=1)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    items = {i.payload: i for i in ItemClaim.objects.filter(run=run)}
+    for n, item in items.items():
+        expected = 0.5 if n % 5 == 4 else 0.01 * (n % 5)
+        assert (item.cost or {}).get("usd", 0.0) == pytest.approx(expected), item.key
+    pool_account.refresh_from_db()
+    assert pool_account.spent == pytest.approx(sum(i.cost["usd"] for i in items.values()))

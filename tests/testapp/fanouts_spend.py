@@ -205,3 +205,14 @@ FanOut(
     max_attempts=1,  # a throttled call that used an attempt would fail its item
     params={"n": (int, 6), "estimate": (float, 0.10), "throttles": (int, 2)},
 )
+
+FanOut(
+    # Neither cost= nor max_spend: what each call cost is only in its answer.
+    "spend_billed_pooled",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=answered,
+    cost_from="billed",
+    pool=SPEND_POOL,
+    params={"n": (int, 10)},
+)
