@@ -73,6 +73,11 @@ def open_pool_budget(name: str, units: Mapping[str, float], period: float | str 
                 )
         except IntegrityError:  # pragma: no cover - another process made it first
             pass
+    # The period is the settings' alone (the admin shows it read-only): a row made under an
+    # older meaning of it ("day" was a rolling 24 hours) counts as the settings say now.
+    SpendAccount.objects.filter(pool=name, unit__in=list(units)).exclude(
+        period=seconds, calendar=calendar
+    ).update(period=seconds, calendar=calendar)
 
 
 @dataclass

@@ -112,3 +112,14 @@ def test_calendar_periods_are_bounded_in_utc_whatever_the_moments_zone(
     moment = datetime(2027, 1, 1, 1, 30, tzinfo=timezone(timedelta(hours=2)))
     assert calendar_start(moment, period) == start
     assert calendar_end(moment, period) == end
+
+
+@override_settings(FANOUT_POOLS={"llm-daily": {"budget": {"usd": 50, "period": "day"}}})
+def test_a_budget_made_when_day_was_a_rolling_period_counts_calendar_days_after_sync() -> None:
+    # "day" meant a rolling 86400 s before: a row made then must not keep rolling while the
+    # settings, the docs and the changelog say it is a calendar day now.
+    CapacityPool.objects.create(name="llm-daily", max_concurrency=4)
+    SpendAccount.objects.create(pool="llm-daily", unit="usd", budget=50, period=86400.0)
+    call_command("fanout_pools", "--sync", verbosity=0)
+    account = SpendAccount.objects.get(pool="llm-daily")
+    assert (account.calendar, account.period, account.budget) == ("day", None, 50.0)
