@@ -11,8 +11,9 @@ from django.test import override_settings
 
 from fanout.claim import claim
 from fanout.clock import calendar_end, calendar_start, db_now
+from fanout.definition import get_definition
 from fanout.errors import FanoutError
-from fanout.models import CapacityPool, SpendAccount
+from fanout.models import CapacityPool, ItemClaim, RunStatus, SpendAccount
 from fanout.pools import parse_budget
 from tests.conftest import prepare
 from tests.testapp.fanouts_spend import SPEND_POOL
@@ -123,3 +124,23 @@ def test_a_budget_made_when_day_was_a_rolling_period_counts_calendar_days_after_
     call_command("fanout_pools", "--sync", verbosity=0)
     account = SpendAccount.objects.get(pool="llm-daily")
     assert (account.calendar, account.period, account.budget) == ("day", None, 50.0)
+
+
+def test_spend_of_items_admitted_after_a_period_rolled_over_stays_in_the_new_period() -> None:
+    # Hand-overs settle and admit without rolling the pool's period: spend that items admitted
+    # in a new period piled onto the old one, and the next claim's roll wiped it out.
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=1)
+    account = SpendAccount.objects.create(pool=SPEND_POOL, unit="usd", budget=1000, period=2.0)
+    other = prepare("spend_pooled", {"n": 1})  # another run of the pool, claimed after
+    run = get_definition("spend_pooled").start({"n": 50, "sleep": 0.08}, workers=1)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert len(claim(other.pk, "w:1", 1, 30, 3, SPEND_POOL, spend=True).items) == 1
+    account.refresh_from_db()
+    started = sorted(ItemClaim.objects.filter(run=run).values_list("started_at", flat=True))
+    assert started[-1] - started[0] > timedelta(seconds=4)  # the run outlasted two periods
+    # Items that began inside the period in force (a margin for the boundary itself): their
+    # whole cost was spent in it.
+    since = account.period_started_at + timedelta(seconds=0.1)
+    inside = ItemClaim.objects.filter(run=run, started_at__gte=since)
+    expected = sum(i.cost["usd"] for i in inside)
+    assert account.spent >= expected - 1e-9, (account.spent, expected, inside.count())
