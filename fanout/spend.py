@@ -94,7 +94,8 @@ class _Account:
     period_started_at: datetime | None
     spent_delta: float = 0.0
     reserved_delta: float = 0.0
-    reset: bool = False
+    reset: bool = False  # the period rolled over: spent restarts from zero
+    begun: bool = False  # its first period began: spent so far is spent in it
 
     @property
     def used(self) -> float:
@@ -145,7 +146,7 @@ def _roll(account: _Account, now: datetime) -> None:
     if account.period is None:
         return
     if account.period_started_at is None:
-        account.period_started_at, account.reset = now, True
+        account.period_started_at, account.begun = now, True
         return
     ends = account.period_ends()
     if ends is not None and now >= ends:
@@ -158,7 +159,12 @@ def _roll_calendar(account: _Account, now: datetime) -> None:
     """A calendar period counts from its boundary (in UTC): a budget first used, or last
     used in a period that has ended, starts the one that holds ``now``."""
     ends = account.period_ends()
-    if ends is not None and now < ends:
+    if ends is None:
+        # First used: what was spent since the budget was made stays (items that were running
+        # when it was made), in the period that holds now.
+        account.period_started_at, account.begun = calendar_start(now, account.calendar), True
+        return
+    if now < ends:
         return
     account.period_started_at, account.reset = calendar_start(now, account.calendar), True
     account.spent = 0.0  # what apply() writes: spent in this period, from zero
@@ -254,14 +260,15 @@ class Gate:
                 account.spent_delta += spent * n
                 account.reserved_delta += reserved * n
         for account in [*self.run, *(a for name in sorted(self.pools) for a in self.pools[name])]:
-            if not (account.spent_delta or account.reserved_delta or account.reset):
+            moved = account.spent_delta or account.reserved_delta
+            if not (moved or account.reset or account.begun):
                 continue
             changes: dict[str, Any] = {}
+            if account.reset or account.begun:
+                changes.update(period_started_at=account.period_started_at)
             if account.reset:
                 # The period rolled over: spent restarts from zero, plus what this claim spent.
-                changes.update(
-                    spent=account.spent_delta, period_started_at=account.period_started_at
-                )
+                changes.update(spent=account.spent_delta)
             _move(SpendAccount.objects.filter(pk=account.pk), account, changes)
 
 

@@ -144,3 +144,20 @@ def test_spend_of_items_admitted_after_a_period_rolled_over_stays_in_the_new_per
     inside = ItemClaim.objects.filter(run=run, started_at__gte=since)
     expected = sum(i.cost["usd"] for i in inside)
     assert account.spent >= expected - 1e-9, (account.spent, expected, inside.count())
+
+
+@pytest.mark.parametrize(("calendar", "period"), [("month", None), ("", 3600.0)])
+def test_a_budgets_first_claim_keeps_what_was_spent_since_it_was_made(
+    calendar: str, period: float | None
+) -> None:
+    # Made (fanout_pools --sync) while items of the pool ran: they reserved against it and
+    # settled $0.30 before any claim used it. The first claim starts its period: that spend
+    # happened in it, and stays spent.
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=10)
+    account = SpendAccount.objects.create(
+        pool=SPEND_POOL, unit="usd", budget=1.0, spent=0.3, calendar=calendar, period=period
+    )
+    assert claim_one() == 1
+    account.refresh_from_db()
+    assert account.period_started_at is not None
+    assert (account.spent, account.reserved) == (pytest.approx(0.3), pytest.approx(0.1))
