@@ -183,3 +183,10 @@ def test_a_cost_read_from_the_answer_without_an_estimate_or_budget_reaches_item_
         assert (item.cost or {}).get("usd", 0.0) == pytest.approx(expected), item.key
     pool_account.refresh_from_db()
     assert pool_account.spent == pytest.approx(sum(i.cost["usd"] for i in items.values()))
+
+
+def test_an_answers_cost_too_large_for_a_float_fails_its_item_saying_why() -> None:
+    run = get_definition("spend_billed_hugely").start({"n": 2}, workers=1)
+    items = list(ItemClaim.objects.filter(run=run))
+    assert [(i.status, i.error_class) for i in items] == [("failed", "CostNotReadable")] * 2
+    assert "usd must be a finite number" in items[0].error

@@ -216,3 +216,14 @@ FanOut(
     pool=SPEND_POOL,
     params={"n": (int, 10)},
 )
+
+FanOut(
+    # An answer whose cost is an integer too large for a float (JSON allows any length).
+    "spend_billed_hugely",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=lambda item: {"billed": {"usd": 10**400}},
+    cost={"usd": 0.1},
+    cost_from="billed",
+    params={"n": (int, 2)},
+)
