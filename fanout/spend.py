@@ -452,9 +452,10 @@ def after_hand_over(
     owners: list[tuple[int | None, str | None]] = [(run_id, None)] if run_budget else []
     if outcome.pool:
         owners.append((None, outcome.pool))
-    moved = _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
-    if next_pk is None or not moved:
+    _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
+    if next_pk is None:
         return True
+    # Even when nothing moved: a budget reached already refuses an item that reserves nothing.
     return not _over_budget(run_id, outcome.pool, reserve)
 
 
