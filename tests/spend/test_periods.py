@@ -161,3 +161,18 @@ def test_a_budgets_first_claim_keeps_what_was_spent_since_it_was_made(
     account.refresh_from_db()
     assert account.period_started_at is not None
     assert (account.spent, account.reserved) == (pytest.approx(0.3), pytest.approx(0.1))
+
+
+def test_a_run_whose_costs_are_read_from_answers_rolls_its_pools_period_over() -> None:
+    # Neither cost= nor max_spend: its answers' costs count against the pool's budget, so its
+    # claims must start the pool's new period, or today's spend piles onto yesterday's.
+    boundary = day_start(db_now())
+    account = spent_pool("day", boundary - timedelta(hours=1))
+    account.spent = 0.9
+    account.save(update_fields=["spent"])
+    run = get_definition("spend_billed_pooled").start({"n": 5}, workers=1)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    account.refresh_from_db()
+    assert account.period_started_at == boundary
+    costs = [i.cost["usd"] for i in ItemClaim.objects.filter(run=run) if i.cost]
+    assert account.spent == pytest.approx(sum(costs))
