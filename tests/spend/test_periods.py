@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 from django.test import override_settings
 
 from fanout.claim import claim
@@ -176,3 +177,25 @@ def test_a_run_whose_costs_are_read_from_answers_rolls_its_pools_period_over() -
     assert account.period_started_at == boundary
     costs = [i.cost["usd"] for i in ItemClaim.objects.filter(run=run) if i.cost]
     assert account.spent == pytest.approx(sum(costs))
+
+
+@pytest.mark.parametrize("session_zone", ["+05:00", "-11:00"])
+def test_a_calendar_day_starts_at_utc_midnight_whatever_the_mariadb_sessions_zone(
+    session_zone: str,
+) -> None:
+    if connection.vendor != "mysql":
+        pytest.skip("MariaDB/MySQL's session time_zone")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@session.time_zone")
+        was = cursor.fetchone()[0]
+        cursor.execute("SET SESSION time_zone = %s", [session_zone])
+    try:
+        boundary = day_start(db_now())
+        account = spent_pool("day", boundary - timedelta(seconds=1))
+        assert claim_one() == 1
+        account.refresh_from_db()
+        assert account.period_started_at == boundary
+        assert (account.spent, account.reserved) == (0.0, pytest.approx(0.1))
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION time_zone = %s", [was])
