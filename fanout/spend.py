@@ -292,11 +292,12 @@ def _charge_items(rows: Sequence[dict]) -> None:
 
 
 def actual(outcome: ExecutionOutcome, estimate: Mapping[str, float] | None) -> Units:
-    """What a finished call cost: what it reported; a success that reported nothing, its
-    estimate; a failed or throttled call that reported nothing, nothing."""
+    """What a finished call cost: what it reported; a success that reported nothing, or one
+    whose answer's cost could not be read, its estimate; a failed or throttled call that
+    reported nothing, nothing."""
     if outcome.cost is not None:
         return dict(outcome.cost)
-    if outcome.kind == ItemStatus.SUCCEEDED:
+    if outcome.kind == ItemStatus.SUCCEEDED or outcome.cost_unread:
         return dict(estimate or {})
     return {}
 

@@ -119,12 +119,16 @@ def test_a_cost_function_of_the_answer_counts_without_an_estimate() -> None:
 
 
 def test_an_answer_whose_cost_cannot_be_read_fails_its_item_saying_why() -> None:
-    run = get_definition("spend_billed_badly").start({"n": 3})
+    run = get_definition("spend_billed_badly").start({"n": 3}, max_spend={"usd": 10})
     items = list(ItemClaim.objects.filter(run=run))
     assert [i.status for i in items] == ["failed"] * 3
     assert all(i.attempt == 1 and i.error_class == "CostNotReadable" for i in items)
     assert "cost_from='billed'" in items[0].error
-    assert "usd" not in (items[0].cost or {})
+    # The call was made and billed an amount nobody can read: it costs its estimate, as a
+    # call cut off by a crash does, so the budget's bound still holds.
+    assert [i.cost for i in items] == [{"usd": pytest.approx(0.1)}] * 3
+    account = SpendAccount.objects.get(run=run, unit="usd")
+    assert (account.spent, account.reserved) == (pytest.approx(0.3), pytest.approx(0.0))
 
 
 @pytest.mark.parametrize("cost_from", [3, "", ["usd"]])
