@@ -211,7 +211,7 @@ def _cost_from_answer(outcome: ExecutionOutcome, definition: FanOut) -> None:
         cost = from_answer(definition.name, definition.cost_from, outcome.result)
     except FanoutError as exc:
         outcome.kind, outcome.error_class, outcome.error = FAILED, "CostNotReadable", str(exc)
-        outcome.result = None
+        outcome.result, outcome.cost_unread = None, True
         return
     if cost is not None:
         outcome.cost, outcome.accounted = cost, True

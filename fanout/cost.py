@@ -42,12 +42,20 @@ def as_units(value: Any, what: str = "cost") -> Units:
         if (
             isinstance(amount, bool)
             or not isinstance(amount, int | float)
-            or not math.isfinite(amount)
+            or not _finite(amount)
             or amount < 0
         ):
             raise FanoutError(f"{what}: {unit} must be a finite number >= 0, got {amount!r}")
         units[unit] = float(amount)
     return units
+
+
+def _finite(amount: float) -> bool:
+    """Whether it is a float's finite number (an int may be too large to be one)."""
+    try:
+        return math.isfinite(amount)
+    except OverflowError:
+        return False
 
 
 def add(total: Mapping[str, float] | None, more: Mapping[str, float] | None) -> Units:

@@ -284,8 +284,8 @@ class FanOut:
 
     @property
     def accounted(self) -> bool:
-        """Whether its items' costs are counted (it declares cost= or a budget)."""
-        return self.costing is not None or self.max_spend is not None
+        """Whether its items' costs are counted (it declares cost=, cost_from= or a budget)."""
+        return self.costing is not None or self.max_spend is not None or self.cost_from is not None
 
     def estimate_for(self, item: Item) -> Units | None:
         """What one call of ``item`` is expected to cost, or None without cost=."""

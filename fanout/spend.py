@@ -73,6 +73,11 @@ def open_pool_budget(name: str, units: Mapping[str, float], period: float | str 
                 )
         except IntegrityError:  # pragma: no cover - another process made it first
             pass
+    # The period is the settings' alone (the admin shows it read-only): a row made under an
+    # older meaning of it ("day" was a rolling 24 hours) counts as the settings say now.
+    SpendAccount.objects.filter(pool=name, unit__in=list(units)).exclude(
+        period=seconds, calendar=calendar
+    ).update(period=seconds, calendar=calendar)
 
 
 @dataclass
@@ -89,7 +94,8 @@ class _Account:
     period_started_at: datetime | None
     spent_delta: float = 0.0
     reserved_delta: float = 0.0
-    reset: bool = False
+    reset: bool = False  # the period rolled over: spent restarts from zero
+    begun: bool = False  # its first period began: spent so far is spent in it
 
     @property
     def used(self) -> float:
@@ -140,7 +146,7 @@ def _roll(account: _Account, now: datetime) -> None:
     if account.period is None:
         return
     if account.period_started_at is None:
-        account.period_started_at, account.reset = now, True
+        account.period_started_at, account.begun = now, True
         return
     ends = account.period_ends()
     if ends is not None and now >= ends:
@@ -153,7 +159,12 @@ def _roll_calendar(account: _Account, now: datetime) -> None:
     """A calendar period counts from its boundary (in UTC): a budget first used, or last
     used in a period that has ended, starts the one that holds ``now``."""
     ends = account.period_ends()
-    if ends is not None and now < ends:
+    if ends is None:
+        # First used: what was spent since the budget was made stays (items that were running
+        # when it was made), in the period that holds now.
+        account.period_started_at, account.begun = calendar_start(now, account.calendar), True
+        return
+    if now < ends:
         return
     account.period_started_at, account.reset = calendar_start(now, account.calendar), True
     account.spent = 0.0  # what apply() writes: spent in this period, from zero
@@ -222,6 +233,13 @@ class Gate:
             self.blocked_until = until
         return reason
 
+    def rolls_in(self) -> float | None:
+        """Seconds until the first of the locked pools' budget periods ends (None: none
+        rolls over). Only a claim rolls a period: a worker hands over no further than this."""
+        ends = [a.period_ends() for name in self.pools for a in self.pools[name]]
+        due = [(end - self.now).total_seconds() for end in ends if end is not None]
+        return max(0.0, min(due)) if due else None
+
     def pool_spent(self, pool: str) -> str:
         """Why the pool's budget admits nothing at all now ("" while it admits some)."""
         for account in self.pools.get(pool, ()):
@@ -242,14 +260,15 @@ class Gate:
                 account.spent_delta += spent * n
                 account.reserved_delta += reserved * n
         for account in [*self.run, *(a for name in sorted(self.pools) for a in self.pools[name])]:
-            if not (account.spent_delta or account.reserved_delta or account.reset):
+            moved = account.spent_delta or account.reserved_delta
+            if not (moved or account.reset or account.begun):
                 continue
             changes: dict[str, Any] = {}
+            if account.reset or account.begun:
+                changes.update(period_started_at=account.period_started_at)
             if account.reset:
                 # The period rolled over: spent restarts from zero, plus what this claim spent.
-                changes.update(
-                    spent=account.spent_delta, period_started_at=account.period_started_at
-                )
+                changes.update(spent=account.spent_delta)
             _move(SpendAccount.objects.filter(pk=account.pk), account, changes)
 
 
@@ -273,11 +292,12 @@ def _charge_items(rows: Sequence[dict]) -> None:
 
 
 def actual(outcome: ExecutionOutcome, estimate: Mapping[str, float] | None) -> Units:
-    """What a finished call cost: what it reported; a success that reported nothing, its
-    estimate; a failed or throttled call that reported nothing, nothing."""
+    """What a finished call cost: what it reported; a success that reported nothing, or one
+    whose answer's cost could not be read, its estimate; a failed or throttled call that
+    reported nothing, nothing."""
     if outcome.cost is not None:
         return dict(outcome.cost)
-    if outcome.kind == ItemStatus.SUCCEEDED:
+    if outcome.kind == ItemStatus.SUCCEEDED or outcome.cost_unread:
         return dict(estimate or {})
     return {}
 

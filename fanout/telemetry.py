@@ -37,6 +37,7 @@ from django.db import DatabaseError, connection
 from django.db.models import Count, Q, Sum
 
 from . import __version__
+from .clock import db_now
 from .conf import conf
 from .join import status_counts
 from .models import (
@@ -48,6 +49,7 @@ from .models import (
     RunStatus,
     SpendAccount,
 )
+from .spend import period_end
 from .transitions import FAILED, RETRY, SUCCEEDED, ClaimedItem, ExecutionOutcome
 
 try:
@@ -116,14 +118,22 @@ def budget_figures() -> list[tuple[str, str, str, float, float, float]]:
     rows = SpendAccount.objects.filter(Q(pool__isnull=False) | Q(run__in=open_runs)).order_by(
         "pool", "run_id", "unit"
     )
-    return [
-        ("pool", pool, unit, spent, max(reserved, 0.0), budget)
-        if pool is not None
-        else ("run", str(run_id), unit, spent, max(reserved, 0.0), budget)
-        for pool, run_id, unit, spent, reserved, budget in rows.values_list(
-            "pool", "run_id", "unit", "spent", "reserved", "budget"
-        )
-    ]
+    now = db_now()
+    figures = []
+    for pool, run_id, unit, spent, reserved, budget, period, calendar, started in rows.values_list(
+        "pool", "run_id", "unit", "spent", "reserved", "budget", *_PERIOD_FIELDS
+    ):
+        # A pool's period that has passed is spent from zero, as the admin and the report
+        # read it (only a claim writes the roll over).
+        ends = period_end(period, calendar, started)
+        if ends is not None and now >= ends:
+            spent = 0.0
+        kind, name = ("pool", pool) if pool is not None else ("run", str(run_id))
+        figures.append((kind, name, unit, spent, max(reserved, 0.0), budget))
+    return figures
+
+
+_PERIOD_FIELDS = ("period", "calendar", "period_started_at")
 
 
 def read_rows(read: Callable[[], Any], default: Any) -> Any:

@@ -29,9 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from fanout import FanOut, Item, telemetry
 from fanout.actions import retry_failed
 from fanout.claim import claim
+from fanout.clock import db_now
 from fanout.compensate import retry_failed_compensations
 from fanout.dispatch import resume
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, SpendAccount
+from fanout.spend import budget_rows
 from tests.conftest import keys, prepare, start
 from tests.testapp.fanouts_pools import BUSY_POOL
 
@@ -459,3 +461,25 @@ def test_budget_gauges_read_each_pools_and_open_runs_budget_from_the_rows(otel: 
     }
     assert otel.values("fanout.budget.reserved", *labels)[("run", str(run.pk), "usd")] == 0.6
     assert otel.values("fanout.budget.limit", *labels)[("pool", "llm", "tokens")] == 90000.0
+
+
+def test_budget_gauges_read_a_pool_whose_period_has_passed_as_spent_from_zero(
+    otel: Exported,
+) -> None:
+    # Yesterday's spend, not rolled over yet (only a claim writes the roll): the admin and the
+    # --json report read it as 0 spent in today's period, and so must the gauges.
+    CapacityPool.objects.get_or_create(name="llm")
+    today = db_now().astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    SpendAccount.objects.create(
+        pool="llm",
+        unit="usd",
+        budget=50,
+        spent=49.8,
+        calendar="day",
+        period_started_at=today - timedelta(days=1),
+    )
+    (row,) = budget_rows(SpendAccount.objects.filter(pool="llm"), db_now())
+    assert row["spent"] == 0.0
+    telemetry.observe_rows(otel.meter_provider)
+    spent = otel.values("fanout.budget.spent", "kind", "name", "unit")
+    assert spent == {("pool", "llm", "usd"): 0.0}

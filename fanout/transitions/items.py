@@ -65,6 +65,8 @@ class ExecutionOutcome:
     # definition counts cost at all (then its outcome settles the item's reservation).
     cost: dict[str, float] | None = None
     accounted: bool = False
+    # The call said what it cost in a way nobody can read (cost_from=): it costs its estimate.
+    cost_unread: bool = False
 
     @property
     def terminal(self) -> bool:

@@ -121,12 +121,16 @@ def test_a_cost_function_of_the_answer_counts_without_an_estimate() -> None:
 
 
 def test_an_answer_whose_cost_cannot_be_read_fails_its_item_saying_why() -> None:
-    run = get_definition("spend_billed_badly").start({"n": 3})
+    run = get_definition("spend_billed_badly").start({"n": 3}, max_spend={"usd": 10})
     items = list(ItemClaim.objects.filter(run=run))
     assert [i.status for i in items] == ["failed"] * 3
     assert all(i.attempt == 1 and i.error_class == "CostNotReadable" for i in items)
     assert "cost_from='billed'" in items[0].error
-    assert "usd" not in (items[0].cost or {})
+    # The call was made and billed an amount nobody can read: it costs its estimate, as a
+    # call cut off by a crash does, so the budget's bound still holds.
+    assert [i.cost for i in items] == [{"usd": pytest.approx(0.1)}] * 3
+    account = SpendAccount.objects.get(run=run, unit="usd")
+    assert (account.spent, account.reserved) == (pytest.approx(0.3), pytest.approx(0.0))
 
 
 @pytest.mark.parametrize("cost_from", [3, "", ["usd"]])
@@ -169,3 +173,26 @@ def test_the_demo_providers_429_is_a_throttle_not_a_handler_error() -> None:
     with pytest.raises(Throttled) as answered:  # its bucket is empty: 429
         provider.complete("swift-small", "p", 300, "seed")
     assert answered.value.retry_after == 0.5 and "429" in str(answered.value)
+
+
+def test_a_cost_read_from_the_answer_without_an_estimate_or_budget_reaches_item_and_pool() -> None:
+    # The docs' promise: without cost= or a run budget, the answer's cost is kept on the item
+    # and counted by its pool's budget, on every path an outcome takes (a claim that records
+    # it, or the hand-over of its slot to the next item).
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=1)
+    pool_account = SpendAccount.objects.create(pool=SPEND_POOL, unit="usd", budget=100)
+    run = get_definition("spend_billed_pooled").start({"n": 10}, workers=1)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    items = {i.payload: i for i in ItemClaim.objects.filter(run=run)}
+    for n, item in items.items():
+        expected = 0.5 if n % 5 == 4 else 0.01 * (n % 5)
+        assert (item.cost or {}).get("usd", 0.0) == pytest.approx(expected), item.key
+    pool_account.refresh_from_db()
+    assert pool_account.spent == pytest.approx(sum(i.cost["usd"] for i in items.values()))
+
+
+def test_an_answers_cost_too_large_for_a_float_fails_its_item_saying_why() -> None:
+    run = get_definition("spend_billed_hugely").start({"n": 2}, workers=1)
+    items = list(ItemClaim.objects.filter(run=run))
+    assert [(i.status, i.error_class) for i in items] == [("failed", "CostNotReadable")] * 2
+    assert "usd must be a finite number" in items[0].error

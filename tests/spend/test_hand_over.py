@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from fanout import spend
@@ -15,7 +15,7 @@ from fanout.claim import claim
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
-from fanout.transitions import SUCCEEDED, ExecutionOutcome, hand_over_spending
+from fanout.transitions import SUCCEEDED, ExecutionOutcome, hand_over, hand_over_spending
 from tests.testapp.fanouts_spend import SPEND_POOL
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -76,3 +76,51 @@ def test_a_budget_that_the_next_items_estimate_would_pass_refuses_it() -> None:
     # $0.08 spent + $0.10 reserved passes the pool's $0.15: the worker records it released.
     assert done.written and done.next is not None and done.refused
     assert accounts(run_id)["pool"] == (0.08, 0.1)
+
+
+def state(pool_spent: float, next_estimate: bool) -> tuple[int, ItemClaim, uuid.UUID]:
+    """A run of items without estimates in a pool whose $1 budget has ``pool_spent``; one
+    running, the next with an estimate or not (written as cost= would have)."""
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=5)
+    account = SpendAccount.objects.create(pool=SPEND_POOL, unit="usd", budget=1.0)
+    definition = get_definition("spend_billed_pooled")
+    run = prepare_run(definition, {"n": 2}, f"agree-{uuid.uuid4().hex[:8]}")
+    if next_estimate:
+        ItemClaim.objects.filter(run=run, index=1).update(estimate={"usd": 0.1})
+    taken = claim(run.pk, "w:1", 1, LEASE, 3, SPEND_POOL, spend=True)
+    assert taken.token is not None and len(taken.items) == 1
+    SpendAccount.objects.filter(pk=account.pk).update(spent=pool_spent)  # others spent since
+    return run.pk, ItemClaim.objects.get(pk=taken.items[0].pk), taken.token
+
+
+def python_rule(run_id: int, token: uuid.UUID, outcome: ExecutionOutcome) -> bool:
+    """The hand-over, then the spend it moves by fanout.spend: where no routine does both."""
+    with transaction.atomic():
+        done = hand_over(run_id, token, outcome, "w:1", uuid.uuid4(), LEASE)
+        assert done.written and done.next is not None
+        return not spend.after_hand_over(outcome, run_id, done.next.pk, False)
+
+
+@pytest.mark.parametrize(
+    ("pool_spent", "next_estimate", "cost"),
+    [(1.0, False, None), (1.0, True, None), (0.5, False, None), (0.95, True, {"usd": 0.01})],
+)
+def test_the_spending_routine_and_the_python_rule_agree_on_what_moves_and_what_is_refused(
+    pool_spent: float, next_estimate: bool, cost: dict | None
+) -> None:
+    seen = []
+    for routine in ("database", "python"):
+        run_id, item, token = state(pool_spent, next_estimate)
+        outcome = ExecutionOutcome(
+            item.pk, item.key, SUCCEEDED, SPEND_POOL, {"ok": 1}, cost=cost, accounted=True
+        )
+        if routine == "database":
+            refused = hand_over_spending(run_id, token, outcome, "w:1", uuid.uuid4(), LEASE).refused
+        else:
+            refused = python_rule(run_id, token, outcome)
+        item.refresh_from_db()
+        pool = SpendAccount.objects.get(pool=SPEND_POOL)
+        seen.append((refused, item.cost, round(pool.spent, 9), round(pool.reserved, 9)))
+        for model in (ItemClaim, SpendAccount, CapacityPool):
+            model.objects.all().delete()
+    assert seen[0] == seen[1]

@@ -205,3 +205,25 @@ FanOut(
     max_attempts=1,  # a throttled call that used an attempt would fail its item
     params={"n": (int, 6), "estimate": (float, 0.10), "throttles": (int, 2)},
 )
+
+FanOut(
+    # Neither cost= nor max_spend: what each call cost is only in its answer.
+    "spend_billed_pooled",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=answered,
+    cost_from="billed",
+    pool=SPEND_POOL,
+    params={"n": (int, 10)},
+)
+
+FanOut(
+    # An answer whose cost is an integer too large for a float (JSON allows any length).
+    "spend_billed_hugely",
+    over=numbered,
+    key=lambda i: f"k{i:05d}",
+    do=lambda item: {"billed": {"usd": 10**400}},
+    cost={"usd": 0.1},
+    cost_from="billed",
+    params={"n": (int, 2)},
+)
