@@ -75,6 +75,22 @@ class Backend:
         the next item; None where there is none (fanout.spend moves the spend after it)."""
         return None
 
+    def succeed_held(
+        self, token: Any, done: Sequence[tuple[int, datetime | None, str | None]]
+    ) -> list[tuple[int, int, str]] | None:
+        """Items held under ``token`` succeed, each with its (pk, finished_at, result as JSON
+        text), in one statement that locks, fences and writes them; answers (pk, run, pool) of
+        those written. None where there is no such statement (transitions.settle then locks
+        the rows first and writes them by kind)."""
+        return None
+
+    def start_held(
+        self, pks: Sequence[int], owner: str, token: Any, lease_seconds: float, now: datetime
+    ) -> int | None:
+        """Pending items the caller has locked go running under ``token`` in one statement
+        that names them by one array (no parameter per item); None where there is none."""
+        return None
+
     def update_rows(
         self,
         model: type[Model],

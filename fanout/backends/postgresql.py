@@ -23,6 +23,27 @@ HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %
 HAND_OVER_SPEND = (
     "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
 )
+# A batch's successes: one statement, three arrays. It locks the rows still held under the
+# claim token (EvalPlanQual re-checks the token after a lock wait, so a writer that lost its
+# lease writes nothing), writes every outcome, and answers what the counters need. The arrays
+# are sorted by id, so writers lock in one order.
+SUCCEED_HELD = """
+UPDATE fanout_itemclaim AS i
+SET status = 'succeeded', claim_token = NULL, lease_expires_at = NULL,
+    result = v.result::jsonb, error = '', error_class = '', finished_at = v.finished_at
+FROM unnest(%s::bigint[], %s::timestamptz[], %s::text[]) AS v(id, finished_at, result)
+WHERE i.id = v.id AND i.claim_token = %s AND i.status = 'running'
+RETURNING i.id, i.run_id, i.pool
+"""
+# A claim's items go running, named by one array: a parameter per item cost the client more
+# than the statement did.
+START_HELD = f"""
+UPDATE fanout_itemclaim
+SET status = 'running', owner = %s, claim_token = %s,
+    lease_expires_at = {NOW} + %s * interval '1 second',
+    claimed_at = %s, started_at = %s, finished_at = NULL
+WHERE id = ANY(%s::bigint[])
+"""
 _VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
 
 
@@ -95,6 +116,24 @@ class PostgreSQL(Backend):
             cursor.execute(HAND_OVER_SPEND, list(params))
             done, *rest, refused = cursor.fetchone()
         return HandOverRow(bool(done), *rest), bool(refused)
+
+    def succeed_held(
+        self, token: Any, done: Sequence[tuple[int, Any, str | None]]
+    ) -> list[tuple[int, int, str]]:
+        ordered = sorted(done)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                SUCCEED_HELD,
+                [[d[0] for d in ordered], [d[1] for d in ordered], [d[2] for d in ordered], token],
+            )
+            return [(pk, run_id, pool) for pk, run_id, pool in cursor.fetchall()]
+
+    def start_held(
+        self, pks: Sequence[int], owner: str, token: Any, lease_seconds: float, now: Any
+    ) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(START_HELD, [owner, token, lease_seconds, now, now, sorted(pks)])
+            return cursor.rowcount
 
     def update_rows(
         self,

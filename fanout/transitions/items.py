@@ -137,9 +137,12 @@ def claim(
     """Pending items take new slots. The caller holds the run's and the pools' locks."""
     if not rows:
         return 0
-    n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
-        **_running(owner, token, lease_seconds, now)
-    )
+    pks = [r["pk"] for r in rows]
+    n = backend().start_held(pks, owner[:200], token, lease_seconds, now)
+    if n is None:
+        n = ItemClaim.objects.filter(pk__in=pks).update(
+            **_running(owner, token, lease_seconds, now)
+        )
     _adjust(*_counts(run_id, rows), +1)
     return n
 
@@ -307,17 +310,37 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         return []
     with transaction.atomic(savepoint=False):
         write_first(run_id)
-        by_pk = {o.pk: o for o in outcomes}
-        rows = _lock_held(ItemClaim.objects.filter(pk__in=list(by_pk), claim_token=token))
+        rows = _succeed_held(token, outcomes)
+        written = rows is not None
+        if rows is None:
+            by_pk = {o.pk: o for o in outcomes}
+            rows = _lock_held(ItemClaim.objects.filter(pk__in=list(by_pk), claim_token=token))
         held = {pk for pk, _, _ in rows}
         mine = [o for o in outcomes if o.pk in held]
         if not mine:
             return []
-        _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
-        _write_outcomes(mine)
+        if not written:
+            _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
+            _write_outcomes(mine)
         _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
         spend.settle(rows, mine)
     return [o.pk for o in mine]
+
+
+def _succeed_held(
+    token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]
+) -> list[tuple[int, int, str]] | None:
+    """A batch of successes, locked, fenced and written in one statement where the backend
+    has it (the steady state of a batched drain); None: lock first, then write by kind."""
+    if any(o.kind != SUCCEEDED for o in outcomes):
+        return None
+    return backend().succeed_held(
+        token,
+        [
+            (o.pk, o.finished_at, json.dumps(o.result) if o.result is not None else None)
+            for o in outcomes
+        ],
+    )
 
 
 def _note_failed(outcomes: Sequence[ExecutionOutcome]) -> None:
