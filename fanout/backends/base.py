@@ -85,10 +85,17 @@ class Backend:
         return None
 
     def start_held(
-        self, pks: Sequence[int], owner: str, token: Any, lease_seconds: float, now: datetime
+        self,
+        run_id: int,
+        pks: Sequence[int],
+        owner: str,
+        token: Any,
+        lease_seconds: float,
+        now: datetime,
     ) -> int | None:
-        """Pending items the caller has locked go running under ``token`` in one statement
-        that names them by one array (no parameter per item); None where there is none."""
+        """Pending items the caller has locked go running under ``token``, and their run's
+        ``in_flight`` counts them, in one statement that names them by one array (no
+        parameter per item); how many went. None where there is no such statement."""
         return None
 
     def update_rows(

@@ -35,14 +35,21 @@ FROM unnest(%s::bigint[], %s::timestamptz[], %s::text[]) AS v(id, finished_at, r
 WHERE i.id = v.id AND i.claim_token = %s AND i.status = 'running'
 RETURNING i.id, i.run_id, i.pool
 """
-# A claim's items go running, named by one array: a parameter per item cost the client more
-# than the statement did.
+# A claim's items go running, named by one array (a parameter per item cost the client more
+# than the statement did), and the run's counter moves by as many in the same statement: the
+# claim holds the run's lock, and every round trip under it is one that other claimers wait.
 START_HELD = f"""
-UPDATE fanout_itemclaim
-SET status = 'running', owner = %s, claim_token = %s,
-    lease_expires_at = {NOW} + %s * interval '1 second',
-    claimed_at = %s, started_at = %s, finished_at = NULL
-WHERE id = ANY(%s::bigint[])
+WITH started AS (
+    UPDATE fanout_itemclaim
+    SET status = 'running', owner = %s, claim_token = %s,
+        lease_expires_at = {NOW} + %s * interval '1 second',
+        claimed_at = %s, started_at = %s, finished_at = NULL
+    WHERE id = ANY(%s::bigint[])
+    RETURNING 1
+)
+UPDATE fanout_batchrun SET in_flight = in_flight + (SELECT count(*) FROM started)
+WHERE id = %s
+RETURNING (SELECT count(*) FROM started)
 """
 _VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
 
@@ -129,11 +136,18 @@ class PostgreSQL(Backend):
             return [(pk, run_id, pool) for pk, run_id, pool in cursor.fetchall()]
 
     def start_held(
-        self, pks: Sequence[int], owner: str, token: Any, lease_seconds: float, now: Any
+        self,
+        run_id: int,
+        pks: Sequence[int],
+        owner: str,
+        token: Any,
+        lease_seconds: float,
+        now: Any,
     ) -> int:
         with connection.cursor() as cursor:
-            cursor.execute(START_HELD, [owner, token, lease_seconds, now, now, sorted(pks)])
-            return cursor.rowcount
+            cursor.execute(START_HELD, [owner, token, lease_seconds, now, now, sorted(pks), run_id])
+            row = cursor.fetchone()
+        return int(row[0]) if row else 0
 
     def update_rows(
         self,

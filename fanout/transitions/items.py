@@ -138,12 +138,15 @@ def claim(
     if not rows:
         return 0
     pks = [r["pk"] for r in rows]
-    n = backend().start_held(pks, owner[:200], token, lease_seconds, now)
+    runs, pools = _counts(run_id, rows)
+    n = backend().start_held(run_id, pks, owner[:200], token, lease_seconds, now)
     if n is None:
         n = ItemClaim.objects.filter(pk__in=pks).update(
             **_running(owner, token, lease_seconds, now)
         )
-    _adjust(*_counts(run_id, rows), +1)
+    else:
+        runs = Counter()  # counted by the same statement
+    _adjust(runs, pools, +1)
     return n
 
 
