@@ -26,13 +26,20 @@ HAND_OVER_SPEND = (
 # A batch's successes: one statement, three arrays. It locks the rows still held under the
 # claim token (EvalPlanQual re-checks the token after a lock wait, so a writer that lost its
 # lease writes nothing), writes every outcome, and answers what the counters need. The arrays
-# are sorted by id, so writers lock in one order.
+# are sorted by id, so writers lock in one order. The fence is a join clause on the arrays' side
+# (OFFSET 0 keeps its constants there): as a restriction on the table, statistics that saw no
+# running item made the planner walk the running items and rescan the arrays for each of them,
+# 200 × 200 rows a batch.
 SUCCEED_HELD = """
 UPDATE fanout_itemclaim AS i
 SET status = 'succeeded', claim_token = NULL, lease_expires_at = NULL,
     result = v.result::jsonb, error = '', error_class = '', finished_at = v.finished_at
-FROM unnest(%s::bigint[], %s::timestamptz[], %s::text[]) AS v(id, finished_at, result)
-WHERE i.id = v.id AND i.claim_token = %s AND i.status = 'running'
+FROM (
+    SELECT u.id, u.finished_at, u.result, %s::uuid AS token, 'running'::varchar AS running
+    FROM unnest(%s::bigint[], %s::timestamptz[], %s::text[]) AS u(id, finished_at, result)
+    OFFSET 0
+) AS v
+WHERE i.id = v.id AND i.claim_token = v.token AND i.status = v.running
 RETURNING i.id, i.run_id, i.pool
 """
 # A claim's items go running, named by one array (a parameter per item cost the client more
@@ -131,7 +138,7 @@ class PostgreSQL(Backend):
         with connection.cursor() as cursor:
             cursor.execute(
                 SUCCEED_HELD,
-                [[d[0] for d in ordered], [d[1] for d in ordered], [d[2] for d in ordered], token],
+                [token, [d[0] for d in ordered], [d[1] for d in ordered], [d[2] for d in ordered]],
             )
             return [(pk, run_id, pool) for pk, run_id, pool in cursor.fetchall()]
 
