@@ -84,6 +84,14 @@ class Backend:
         the rows first and writes them by kind)."""
         return None
 
+    def lock_run_freeing(
+        self, run_id: int, freed: int, fields: Sequence[str]
+    ) -> dict[str, Any] | None:
+        """Give the run's counter back ``freed`` slots and lock its row, answering ``fields``,
+        in one statement; None where there is none (claim.lock_run then updates, and reads
+        under the lock it took)."""
+        return None
+
     def start_held(
         self,
         run_id: int,

@@ -14,10 +14,12 @@ writer that finishes items locks them first, then the run, then the pools in nam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -83,6 +85,24 @@ class ClaimedItem:
 
 
 # --- the counters -----------------------------------------------------------------------
+
+# Set by a claim that records its worker's last batch first (``slots_freed``): the run slots
+# that batch's successes give up, which the claim then moves with its own lock of the run.
+_freeing: ContextVar[tuple[int, Counter[int]] | None] = ContextVar("_freeing", default=None)
+
+
+@contextlib.contextmanager
+def slots_freed(run_id: int) -> Iterator[Counter[int]]:
+    """Within the block, successes of ``run_id`` that free no pool slot leave the run's
+    counter alone and count here instead: the caller must move the run's ``in_flight`` by
+    as many, in the same transaction (claim.lock_run does, in the statement that locks it).
+    One statement less under the run's lock, which every claimer of the run waits for."""
+    freed: Counter[int] = Counter()
+    reset = _freeing.set((run_id, freed))
+    try:
+        yield freed
+    finally:
+        _freeing.reset(reset)
 
 
 def _adjust(runs: Counter[int], pools: Counter[str], sign: int) -> None:
@@ -322,12 +342,20 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         mine = [o for o in outcomes if o.pk in held]
         if not mine:
             return []
+        freeing = _freeing.get()
         if not written:
             _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
             _write_outcomes(mine)
-        _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
+        if written and freeing is not None and _only_run_slots(rows, freeing[0]):
+            freeing[1][freeing[0]] += len(rows)
+        else:
+            _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
         spend.settle(rows, mine)
     return [o.pk for o in mine]
+
+
+def _only_run_slots(rows: Sequence[tuple[int, int, str]], run_id: int) -> bool:
+    return all(run == run_id and not pool for _, run, pool in rows)
 
 
 def _succeed_held(
