@@ -2471,6 +2471,26 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         "items/s",
         "issue 10",
     )
+    batched, bare100 = median(tp.get("noop/rq2")), median(base.get("bare_100_per_tx"))
+    add(
+        "no-op in batches of 200, RQ 2 workers / bare 100/tx loop",
+        batched / bare100 if batched and bare100 else None,
+        ">= 0.50",
+        lambda v: v >= 0.5,
+        "ratio",
+        "issue 19",
+    )
+    server = result_cpu_fields(res)[1]
+    add(
+        "per-item commit, RQ 2 workers: database CPU ms/item",
+        median(pi.get("per_item_commit/rq2"), server),
+        "<= 0.25",
+        lambda v: v <= 0.25,
+        "ms",
+        "issue 19",
+    )
+    for label, v in carried(res).items():
+        info(f"  (info) {label}: items/s per database core", v["items_per_s_per_core"], "items/s")
     cl = {k: v for k, v in res.get("claims", {}).items() if k.isdigit()}
     if cl:
         lo, hi = cl[str(min(int(k) for k in cl))], cl[str(max(int(k) for k in cl))]
@@ -2613,11 +2633,14 @@ def report_throughput(res: dict[str, Any]) -> list[str]:
     def ratio(v: float | None, b: float | None) -> str:
         return "-" if not v or not b else f"{v / b:.2f}"
 
+    server = "DB CPU" if on_mariadb(res) else "PG CPU"
     lines = [
         f"2. Batched throughput, start → join (median of {res['config']['repeats']}), "
         f"and the bare {'MySQLdb' if on_mariadb(res) else 'psycopg'} claim loops",
         f"{'':<44}{'items':>9}{'items/s':>10}{'min–max':>18}{'÷2-tx':>8}{'÷bare100':>9}"
-        f"{'cores ours/busy':>17}",
+        f"{'client CPU':>11}{server:>8}{'cores':>11}",
+        f"{'':<44}{'':>9}{'':>10}{'':>18}{'':>8}{'':>9}{'ms/item':>11}{'ms/item':>8}"
+        f"{'ours/busy':>11}",
     ]
     rows = []
     for key, v in tp.items():
@@ -2635,10 +2658,50 @@ def report_throughput(res: dict[str, Any]) -> list[str]:
         rows.append((f"bare {kind}{conn}", v))
     for label, v in rows:
         s = v["items_per_s"]
+        client, db = (median(v, k) for k in result_cpu_fields(res)[:2])
+        shown = [f"{x:.3f}" if x is not None else "-" for x in (client, db)]
         lines.append(
             f"{label:<44}{v['items']:>9,}{fmt_rate(s['median']):>10}"
             f"{fmt_span(s):>18}{ratio(s['median'], bare2tx):>8}"
-            f"{ratio(s['median'], bare100):>9}{cores(v):>17}"
+            f"{ratio(s['median'], bare100):>9}{shown[0]:>11}{shown[1]:>8}{cores(v):>11}"
+        )
+    return lines
+
+
+# What one database carries: the server's CPU per item of each mode, as items/s per core.
+CARRIED = (
+    ("per-item commit, RQ 2 workers", "per_item", "per_item_commit/rq2"),
+    ("bare 2-tx loop, 2 connections", "per_item", "bare_2tx_2conn"),
+    ("no-op in batches of 200, RQ 2 workers", "throughput", "noop/rq2"),
+    ("bare loop, 100/tx", "baseline", "bare_100_per_tx"),
+)
+
+
+def carried(res: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per mode, the database server's CPU per item (median, ms) and what a core of it
+    carries at that cost: 1000 / ms items/s, for every worker of a fleet together."""
+    field = result_cpu_fields(res)[1]
+    out: dict[str, dict[str, float]] = {}
+    for label, phase, key in CARRIED:
+        ms = median(res.get(phase, {}).get(key), field)
+        if ms:
+            out[label] = {"server_cpu_ms_per_item": ms, "items_per_s_per_core": 1000 / ms}
+    return out
+
+
+def report_carried(res: dict[str, Any]) -> list[str]:
+    rows = res.get("carried") or carried(res)
+    if not rows:
+        return []
+    name = "MariaDB" if on_mariadb(res) else "PostgreSQL"
+    lines = [
+        f"2b. What one database carries: {name} CPU per item, and items/s one core of it "
+        "keeps up with (every worker of a fleet together; the bare loops for scale)",
+        f"{'':<44}{'ms/item':>9}{'items/s per core':>18}",
+    ]
+    for label, v in rows.items():
+        lines.append(
+            f"{label:<44}{v['server_cpu_ms_per_item']:>9.3f}{v['items_per_s_per_core']:>18,.0f}"
         )
     return lines
 
@@ -2872,6 +2935,7 @@ def print_report(res: dict[str, Any]) -> None:
     sections = [
         report_per_item(res),
         report_throughput(res),
+        report_carried(res),
         report_materialize(res),
         report_claims(res),
         report_pools(res),
@@ -3228,6 +3292,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"cleanup failed: {exc}")
     res["seconds"] = time.monotonic() - started
     res["machine"]["loadavg_end"] = os.getloadavg()
+    res["carried"] = carried(res)
     res["targets"] = targets(res)
     if not is_mariadb() and cfg.database is None and not cfg.no_mariadb and not interrupted:
         mariadb_pass(cfg, res)

@@ -92,9 +92,15 @@ class ClaimResult:
 _RUN_FIELDS = ("status", "max_parallel", "failure_policy", "in_flight", "compensating")
 
 
-def lock_run(run_id: int) -> dict[str, Any] | None:
-    """Lock the run's row for this transaction (on every backend) and read what claims need."""
+def lock_run(run_id: int, freed: int = 0) -> dict[str, Any] | None:
+    """Lock the run's row for this transaction (on every backend) and read what claims need;
+    first give its counter back ``freed`` slots (transitions.slots_freed)."""
     runs = BatchRun.objects.filter(pk=run_id)
+    if freed:
+        row = backend().lock_run_freeing(run_id, freed, _RUN_FIELDS)
+        if row is not None:
+            return row or None
+        runs.update(in_flight=F("in_flight") - freed)
     if connection.features.has_select_for_update:
         # NO KEY UPDATE (PostgreSQL): a writer's second update of an item in its transaction
         # checks the item's run with KEY SHARE, which FOR UPDATE would make wait on this claim.
@@ -172,8 +178,10 @@ def _claim(
     spend: bool = False,
 ) -> ClaimResult:
     with transaction.atomic():
-        done = before() if before is not None else None
-        run = lock_run(run_id)
+        # The outcomes' run slots are given back by the statement that locks the run.
+        with transitions.slots_freed(run_id) as freed:
+            done = before() if before is not None else None
+        run = lock_run(run_id, freed[run_id])
         if run is None:
             result = ClaimResult(None, run_status="deleted", reason="run deleted")
         elif run["status"] != RunStatus.RUNNING:

@@ -345,3 +345,48 @@ def test_a_run_at_max_parallel_says_when_a_held_lease_runs_out() -> None:
     )
     assert waiting.retry_at == expires
     assert 0 < waiting.retry_in <= 30
+
+
+@pytest.mark.django_db
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's one statement")
+def test_a_batch_of_successes_is_locked_fenced_and_written_in_one_statement() -> None:
+    run = prepare("t_ledger", {"n": 4})
+    old = take(run, "owner-old", limit=4)
+    assert old.token is not None
+    lost = old.items[2]
+    # One of the four was lost: its lease ran out and another worker took it over.
+    ItemClaim.objects.filter(pk=lost.pk).update(lease_expires_at=timezone.now())
+    new = take(run, "owner-new")
+    assert [i.pk for i in new.items] == [lost.pk]
+    finished = timezone.now()
+    outcomes = [
+        ExecutionOutcome(
+            i.pk, i.key, SUCCEEDED, result={"n": n} if n else None, finished_at=finished
+        )
+        for n, i in enumerate(old.items)
+    ]
+
+    with CaptureQueriesContext(connection) as ctx:
+        done = record(run.pk, old.token, outcomes, "collect")
+
+    assert (done.written, done.dropped, done.terminal) == (3, 1, 3)
+    touching = [q["sql"] for q in ctx.captured_queries if "fanout_itemclaim" in q["sql"]]
+    assert len(touching) == 1, touching
+    rows = items(run.pk)
+    assert [(rows[i.key].status, rows[i.key].result) for i in old.items] == [
+        (ItemStatus.SUCCEEDED, None),
+        (ItemStatus.SUCCEEDED, {"n": 1}),
+        (ItemStatus.RUNNING, None),
+        (ItemStatus.SUCCEEDED, {"n": 3}),
+    ]
+    for i in (old.items[0], old.items[1], old.items[3]):
+        row = rows[i.key]
+        assert (row.claim_token, row.lease_expires_at, row.error, row.error_class) == (
+            None,
+            None,
+            "",
+            "",
+        )
+        assert row.finished_at == finished
+    assert rows[lost.key].claim_token == new.token
+    assert BatchRun.objects.get(pk=run.pk).in_flight == 1

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
+from django.utils import timezone
 
+from fanout.backends.postgresql import SUCCEED_HELD
 from fanout.claim import claim, walking_indexes
 from fanout.clock import db_now
 from fanout.models import BatchRun, ItemClaim
@@ -131,3 +133,24 @@ def _hand_over_plans(run_id: int, mode: str) -> list[dict[str, Any]]:
         raw.remove_notice_handler(handler)
     # Each notice: "duration: … ms  plan:" and the plan as JSON.
     return [json.loads(n.split("plan:", 1)[1]) for n in notices if "plan:" in n]
+
+
+def test_a_batch_of_successes_reads_its_arrays_once_whatever_the_statistics(
+    new_run: BatchRun,
+) -> None:
+    BatchRun.objects.filter(pk=new_run.pk).update(max_parallel=200)
+    held = claim(new_run.pk, "probe", 200, 30, 3, None)
+    assert len(held.items) == 200
+    pks = sorted(i.pk for i in held.items)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + SUCCEED_HELD,
+                [held.token, pks, [timezone.now()] * len(pks), [None] * len(pks)],
+            )
+            plan = cursor.fetchone()[0][0]["Plan"]
+        transaction.set_rollback(True)
+    assert plan["Actual Rows"] == 200
+    arrays = [n for n in _nodes(plan) if n["Node Type"] == "Function Scan"]
+    # Read once, and each held row found by its id: not the arrays again for every held row.
+    assert [n["Actual Loops"] for n in arrays] == [1], json.dumps(plan, indent=1)

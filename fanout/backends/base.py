@@ -75,6 +75,37 @@ class Backend:
         the next item; None where there is none (fanout.spend moves the spend after it)."""
         return None
 
+    def succeed_held(
+        self, token: Any, done: Sequence[tuple[int, datetime | None, str | None]]
+    ) -> list[tuple[int, int, str]] | None:
+        """Items held under ``token`` succeed, each with its (pk, finished_at, result as JSON
+        text), in one statement that locks, fences and writes them; answers (pk, run, pool) of
+        those written. None where there is no such statement (transitions.settle then locks
+        the rows first and writes them by kind)."""
+        return None
+
+    def lock_run_freeing(
+        self, run_id: int, freed: int, fields: Sequence[str]
+    ) -> dict[str, Any] | None:
+        """Give the run's counter back ``freed`` slots and lock its row, answering ``fields``,
+        in one statement; None where there is none (claim.lock_run then updates, and reads
+        under the lock it took)."""
+        return None
+
+    def start_held(
+        self,
+        run_id: int,
+        pks: Sequence[int],
+        owner: str,
+        token: Any,
+        lease_seconds: float,
+        now: datetime,
+    ) -> int | None:
+        """Pending items the caller has locked go running under ``token``, and their run's
+        ``in_flight`` counts them, in one statement that names them by one array (no
+        parameter per item); how many went. None where there is no such statement."""
+        return None
+
     def update_rows(
         self,
         model: type[Model],

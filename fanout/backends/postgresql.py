@@ -23,6 +23,41 @@ HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %
 HAND_OVER_SPEND = (
     "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
 )
+# A batch's successes: one statement, three arrays. It locks the rows still held under the
+# claim token (EvalPlanQual re-checks the token after a lock wait, so a writer that lost its
+# lease writes nothing), writes every outcome, and answers what the counters need. The arrays
+# are sorted by id, so writers lock in one order. The fence is a join clause on the arrays' side
+# (OFFSET 0 keeps its constants there): as a restriction on the table, statistics that saw no
+# running item made the planner walk the running items and rescan the arrays for each of them,
+# 200 × 200 rows a batch.
+SUCCEED_HELD = """
+UPDATE fanout_itemclaim AS i
+SET status = 'succeeded', claim_token = NULL, lease_expires_at = NULL,
+    result = v.result::jsonb, error = '', error_class = '', finished_at = v.finished_at
+FROM (
+    SELECT u.id, u.finished_at, u.result, %s::uuid AS token, 'running'::varchar AS running
+    FROM unnest(%s::bigint[], %s::timestamptz[], %s::text[]) AS u(id, finished_at, result)
+    OFFSET 0
+) AS v
+WHERE i.id = v.id AND i.claim_token = v.token AND i.status = v.running
+RETURNING i.id, i.run_id, i.pool
+"""
+# A claim's items go running, named by one array (a parameter per item cost the client more
+# than the statement did), and the run's counter moves by as many in the same statement: the
+# claim holds the run's lock, and every round trip under it is one that other claimers wait.
+START_HELD = f"""
+WITH started AS (
+    UPDATE fanout_itemclaim
+    SET status = 'running', owner = %s, claim_token = %s,
+        lease_expires_at = {NOW} + %s * interval '1 second',
+        claimed_at = %s, started_at = %s, finished_at = NULL
+    WHERE id = ANY(%s::bigint[])
+    RETURNING 1
+)
+UPDATE fanout_batchrun SET in_flight = in_flight + (SELECT count(*) FROM started)
+WHERE id = %s
+RETURNING (SELECT count(*) FROM started)
+"""
 _VALUES_PER_STATEMENT = 1000  # far below PostgreSQL's 65,535 parameters per statement
 
 
@@ -95,6 +130,46 @@ class PostgreSQL(Backend):
             cursor.execute(HAND_OVER_SPEND, list(params))
             done, *rest, refused = cursor.fetchone()
         return HandOverRow(bool(done), *rest), bool(refused)
+
+    def succeed_held(
+        self, token: Any, done: Sequence[tuple[int, Any, str | None]]
+    ) -> list[tuple[int, int, str]]:
+        ordered = sorted(done)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                SUCCEED_HELD,
+                [token, [d[0] for d in ordered], [d[1] for d in ordered], [d[2] for d in ordered]],
+            )
+            return [(pk, run_id, pool) for pk, run_id, pool in cursor.fetchall()]
+
+    def lock_run_freeing(
+        self, run_id: int, freed: int, fields: Sequence[str]
+    ) -> dict[str, Any] | None:
+        # The run's lock is what every claimer of the run waits for: giving the slots back
+        # and reading what the claim decides from is one round trip under it, not two.
+        names = ", ".join(connection.ops.quote_name(f) for f in fields)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE fanout_batchrun SET in_flight = in_flight - %s WHERE id = %s "
+                f"RETURNING {names}",
+                [freed, run_id],
+            )
+            row = cursor.fetchone()
+        return dict(zip(fields, row, strict=True)) if row else {}
+
+    def start_held(
+        self,
+        run_id: int,
+        pks: Sequence[int],
+        owner: str,
+        token: Any,
+        lease_seconds: float,
+        now: Any,
+    ) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(START_HELD, [owner, token, lease_seconds, now, now, sorted(pks), run_id])
+            row = cursor.fetchone()
+        return int(row[0]) if row else 0
 
     def update_rows(
         self,

@@ -14,10 +14,12 @@ writer that finishes items locks them first, then the run, then the pools in nam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -86,6 +88,24 @@ class ClaimedItem:
 
 # --- the counters -----------------------------------------------------------------------
 
+# Set by a claim that records its worker's last batch first (``slots_freed``): the run slots
+# that batch's successes give up, which the claim then moves with its own lock of the run.
+_freeing: ContextVar[tuple[int, Counter[int]] | None] = ContextVar("_freeing", default=None)
+
+
+@contextlib.contextmanager
+def slots_freed(run_id: int) -> Iterator[Counter[int]]:
+    """Within the block, successes of ``run_id`` that free no pool slot leave the run's
+    counter alone and count here instead: the caller must move the run's ``in_flight`` by
+    as many, in the same transaction (claim.lock_run does, in the statement that locks it).
+    One statement less under the run's lock, which every claimer of the run waits for."""
+    freed: Counter[int] = Counter()
+    reset = _freeing.set((run_id, freed))
+    try:
+        yield freed
+    finally:
+        _freeing.reset(reset)
+
 
 def _adjust(runs: Counter[int], pools: Counter[str], sign: int) -> None:
     """Move runs' and pools' counters by ``sign`` × the counts: runs first, then pools, each
@@ -139,10 +159,16 @@ def claim(
     """Pending items take new slots. The caller holds the run's and the pools' locks."""
     if not rows:
         return 0
-    n = ItemClaim.objects.filter(pk__in=[r["pk"] for r in rows]).update(
-        **_running(owner, token, lease_seconds, now)
-    )
-    _adjust(*_counts(run_id, rows), +1)
+    pks = [r["pk"] for r in rows]
+    runs, pools = _counts(run_id, rows)
+    n = backend().start_held(run_id, pks, owner[:200], token, lease_seconds, now)
+    if n is None:
+        n = ItemClaim.objects.filter(pk__in=pks).update(
+            **_running(owner, token, lease_seconds, now)
+        )
+    else:
+        runs = Counter()  # counted by the same statement
+    _adjust(runs, pools, +1)
     return n
 
 
@@ -309,17 +335,45 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         return []
     with transaction.atomic(savepoint=False):
         write_first(run_id)
-        by_pk = {o.pk: o for o in outcomes}
-        rows = _lock_held(ItemClaim.objects.filter(pk__in=list(by_pk), claim_token=token))
+        rows = _succeed_held(token, outcomes)
+        written = rows is not None
+        if rows is None:
+            by_pk = {o.pk: o for o in outcomes}
+            rows = _lock_held(ItemClaim.objects.filter(pk__in=list(by_pk), claim_token=token))
         held = {pk for pk, _, _ in rows}
         mine = [o for o in outcomes if o.pk in held]
         if not mine:
             return []
-        _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
-        _write_outcomes(mine)
-        _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
+        freeing = _freeing.get()
+        if not written:
+            _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
+            _write_outcomes(mine)
+        if written and freeing is not None and _only_run_slots(rows, freeing[0]):
+            freeing[1][freeing[0]] += len(rows)
+        else:
+            _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
         spend.settle(rows, mine)
     return [o.pk for o in mine]
+
+
+def _only_run_slots(rows: Sequence[tuple[int, int, str]], run_id: int) -> bool:
+    return all(run == run_id and not pool for _, run, pool in rows)
+
+
+def _succeed_held(
+    token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]
+) -> list[tuple[int, int, str]] | None:
+    """A batch of successes, locked, fenced and written in one statement where the backend
+    has it (the steady state of a batched drain); None: lock first, then write by kind."""
+    if any(o.kind != SUCCEEDED for o in outcomes):
+        return None
+    return backend().succeed_held(
+        token,
+        [
+            (o.pk, o.finished_at, json.dumps(o.result) if o.result is not None else None)
+            for o in outcomes
+        ],
+    )
 
 
 def _note_failed(outcomes: Sequence[ExecutionOutcome]) -> None:

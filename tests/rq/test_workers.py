@@ -126,6 +126,37 @@ def test_a_worker_killed_mid_item_has_its_item_reclaimed_by_another_worker_after
     )
 
 
+def test_a_worker_killed_mid_batch_loses_nothing_and_reruns_only_its_unrecorded_items(
+    processes: Any, tmp_path: Path
+) -> None:
+    [victim] = processes.workers(1)
+    params = {"n": 9, "delay": 0.05, "block_key": "r00004", "block_file": str(tmp_path / "no")}
+    run = get_definition("rq_batched_crash").start(params, executor="rq", wait=False)
+    # Batches of 3: r00000-r00002 were recorded by the claim that took r00003-r00005; r00003
+    # finished but waits to be recorded with its batch, r00004 is running.
+    started_call(run.pk, "r00004")
+    second = {item(run.pk, k).claim_token for k in keys(6)[3:]}
+    assert len(second) == 1 and None not in second
+    victim.signal(signal.SIGKILL)  # mid-batch, no goodbye
+    victim.wait(timeout=10)
+
+    assert [item(run.pk, k).status for k in keys(9)] == [
+        *[ItemStatus.SUCCEEDED] * 3,
+        *[ItemStatus.RUNNING] * 3,
+        *[ItemStatus.PENDING] * 3,
+    ]
+    processes.workers(1)
+    run = finished_run(run.pk, timeout=60)
+
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    assert run.join_result == {"items": 9, "succeeded": 9}
+    # What was committed never ran again; the batch in hand ran again, once.
+    assert executions(run.pk) == Counter({k: 1 for k in keys(9)} | {"r00003": 2, "r00004": 2})
+    again = [item(run.pk, k) for k in keys(6)[3:]]
+    assert [(i.status, i.attempt, i.crashes) for i in again] == [(ItemStatus.SUCCEEDED, 1, 1)] * 3
+    assert BatchRun.objects.get(pk=run.pk).in_flight == 0
+
+
 # The project's worker class, and RQ's forking Worker, where the drain runs in a work horse in a
 # process group of its own. A stop reaches the drain thread when the job's main thread next
 # polls for it: every 0.1 s in FanoutWorker, every second (through Redis) in a work horse.

@@ -82,5 +82,16 @@ FanOut("rq_single", do=ledger, max_parallel=1, **common)
 FanOut("rq_slow_join", do=ledger, max_parallel=1, **{**common, "join": slow_tally})
 # Batches of 3: a thread runs a batch's items one after another and records them together.
 FanOut("rq_batched", do=ledger, batch_size=3, max_parallel=3, **common)
+# The same with a short lease and one attempt: a worker killed mid-batch has its unrecorded
+# items reclaimed in seconds, and a crash must not use up the attempt.
+FanOut(
+    "rq_batched_crash",
+    do=ledger,
+    batch_size=3,
+    max_parallel=3,
+    lease_seconds=2,
+    max_attempts=1,
+    **common,
+)
 # Drain jobs go to the queue `fanout-gpu`: only workers started on it run them.
 FanOut("rq_gpu", do=ledger, requires="gpu", max_parallel=2, **common)
