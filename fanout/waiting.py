@@ -175,11 +175,14 @@ def why_run_waits(
 
 
 def _rate_of(pools: set[str], states: dict[str, PoolState]) -> str:
-    """A rated pool of the run's ready items: its rate paces the run, between the moments it
-    holds them back (its bucket refills a token at a time, and each one is taken at once)."""
+    """A rated pool of the run's ready items whose bucket is drawn down: its rate paces the run,
+    between the moments it holds them back (it refills a token at a time, and each is taken at
+    once). A bucket at least half full is not what keeps threads from the run's items."""
     for name in sorted(pools):
         pool = states[name].pool if name in states else None
-        if pool is not None and pool.rate_count is not None:
+        if pool is None or pool.rate_count is None or pool.tokens is None:
+            continue
+        if pool.tokens < (pool.capacity or 0) / 2:
             return f"pool {name} admits {pool.describe_rate()}"
     return ""
 
