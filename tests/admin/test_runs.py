@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -475,9 +476,14 @@ def test_a_run_with_claimable_items_and_nothing_claimed_for_a_while_says_it_stal
     why = page.context["progress"].why
     assert why.startswith("stalled: nothing running, no item claimed for 1m 0")
     assert "start `manage.py rqworker fanout`" in why
-    assert poll["why"] == why and poll["stalled"] is True
-    assert cli.why == why
+    # Read a moment apart: on a loaded machine the three may be a second apart.
+    assert same_but_seconds(poll["why"], why) and poll["stalled"] is True
+    assert same_but_seconds(cli.why, why)
     assert "Why pending items wait: stalled: nothing running" in page.content.decode()
+
+
+def same_but_seconds(a: str, b: str) -> bool:
+    return re.sub(r"\d+s\b", "Ns", a) == re.sub(r"\d+s\b", "Ns", b)
 
 
 def test_a_run_whose_failed_items_were_just_retried_is_not_said_to_have_stalled(admin_client):
