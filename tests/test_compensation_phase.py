@@ -221,7 +221,9 @@ def test_a_throttled_compensation_waits_with_its_pool_and_uses_no_attempt() -> N
     # It waited out the provider's second, and so did the whole pool: a call admitted after
     # the Throttled was recorded (a moment after the handler raised) waited for it too.
     assert rest[0].started >= throttled.ended + 0.9
-    after = [u.started for u in undo_calls(run) if u.started >= throttled.ended + 0.05]
+    # A call claimed before the Throttled was recorded may start a few hundred ms after the
+    # handler raised on a loaded machine (it was seen 0.28 s after): those are not asked to wait.
+    after = [u.started for u in undo_calls(run) if u.started >= throttled.ended + 0.5]
     assert after and min(after) >= throttled.ended + 0.9, (throttled.ended, after)
 
 
