@@ -270,7 +270,7 @@ def test_a_compensation_has_an_idempotency_key_of_its_own_stable_across_its_retr
 def test_a_compensating_run_gets_its_fair_share_of_a_pool_another_run_keeps_full() -> None:
     CapacityPool.objects.create(name=SHARED_POOL, max_concurrency=2)
     forward = get_definition("phase_forward").start(
-        {"n": 16, "sleep": 0.5}, run_key=uuid.uuid4().hex, workers=4, wait=False
+        {"n": 40, "sleep": 0.5}, run_key=uuid.uuid4().hex, workers=4, wait=False
     )
     busy = ItemClaim.objects.filter(run=forward, status=ItemStatus.RUNNING)
     wait_until(lambda: busy.count() == 2, 30, "the forward run to fill the pool")
