@@ -225,7 +225,4 @@ def test_a_drain_job_that_rqs_own_cleanup_failed_is_refilled_without_a_stall(
     assert BatchRun.objects.get(pk=run.pk).stalled == ""
     new = redis.get(slot_key(run.pk, 0)).decode()
     assert new != old
-    # Queued, or already taken by a worker a test before this one left stopping in this Redis
-    # database (seen beside other test processes): either way a live job, not the failed one.
-    status = redis.hget(f"rq:job:{new}", "status")
-    assert new in queue.job_ids or status in (b"started", b"finished"), status
+    assert new in queue.job_ids
