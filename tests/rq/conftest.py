@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from redis import Redis
 from redis.exceptions import RedisError
+from rq import Worker
 
 from tests.procs import PYTHON, ROOT, child_env, wait_until
 
@@ -54,11 +55,24 @@ def redis_url() -> Iterator[str]:
         try:
             url = urlunsplit(base._replace(path=f"/{db}"))
             _ping(url)
+            if _live_workers(url):
+                # A worker of a session that was killed outlives its lock, and takes the
+                # drain jobs of whoever uses this database next.
+                continue
             yield url
         finally:
             lock.close()
         return
     pytest.fail(f"every Redis database of {list(REDIS_DBS)} is taken by another test session")
+
+
+def _live_workers(url: str) -> list[str]:
+    """The names of RQ workers alive in this Redis database (the dead are dropped as read)."""
+    conn = Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        return [w.name for w in Worker.all(connection=conn)]
+    finally:
+        conn.close()
 
 
 def _ping(url: str) -> None:
