@@ -290,6 +290,7 @@ class Drain:
             if ended:
                 if batch is not None:
                     self._settle(batch)
+                    self._join_if_done()
                 return ended
             # With DEBUG on, Django keeps every query's SQL; a long drain must not pile it up.
             connection.queries_log.clear()
@@ -368,6 +369,16 @@ class Drain:
             return "idle: nothing claimable"
         self._idle(result)
         return ""
+
+    def _join_if_done(self) -> None:
+        """A stopping drain that recorded its run's last items joins the run itself: no thread
+        comes back to a run with nothing left to claim, and a work horse's joiner would not
+        outlive its job (the join was left to a supervisor, over a minute later)."""
+        unfinished = self._db(
+            lambda: ItemClaim.objects.filter(run_id=self.run_id).unfinished().exists()
+        )
+        if unfinished is False:
+            self._db(lambda: maybe_join(self.run_id, self.definition))
 
     def _join(self) -> None:
         """Join the run if every item has finished: a roaming thread leaves that to the
