@@ -9,7 +9,7 @@ accounts, then the pool's: the order every transaction keeps) and says whether a
 the next item. fanout_add_units adds two costs unit by unit, as fanout.cost.add does.
 """
 
-import re
+import importlib
 
 from django.db import migrations
 
@@ -195,31 +195,11 @@ DROP = (
     "DROP FUNCTION IF EXISTS fanout_add_units",
 )
 
-# The text each parameter is compared with or written to: (table, column).
-COLUMNS = {
-    "token": ("fanout_itemclaim", "claim_token"),
-    "result": ("fanout_itemclaim", "result"),
-    "pool": ("fanout_itemclaim", "pool"),
-    "owner": ("fanout_itemclaim", "owner"),
-    "pool_name": ("fanout_capacitypool", "name"),
-    "cost": ("fanout_itemclaim", "cost"),
-}
-_NAME = re.compile(r"^\w+$")
-
-
-def text_type(connection, table, column):
-    """The column's "CHARACTER SET ... COLLATE ...", for a parameter that meets it."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT character_set_name, collation_name FROM information_schema.columns"
-            " WHERE table_schema = DATABASE() AND table_name = %s AND column_name = %s",
-            [table, column],
-        )
-        row = cursor.fetchone()
-    if row is None or not row[0] or not _NAME.match(row[0]) or not _NAME.match(row[1] or ""):
-        # Not text: MariaDB's UUID type (MySQL's claim token is CHAR(32), text), MySQL's JSON.
-        return "" if column == "claim_token" else "CHARACTER SET utf8mb4"
-    return f"CHARACTER SET {row[0]} COLLATE {row[1]}"
+# The text each parameter is compared with or written to (0008's, and the cost's), read as
+# 0008 reads it.
+_UTC = importlib.import_module("fanout.migrations.0008_mariadb_utc")
+COLUMNS = {**_UTC.COLUMNS, "cost": ("fanout_itemclaim", "cost")}
+text_type = _UTC.text_type
 
 
 def create(apps, schema_editor):
