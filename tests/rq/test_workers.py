@@ -40,7 +40,8 @@ def test_every_item_runs_exactly_once_across_two_rqworker_processes_and_the_run_
 ) -> None:
     workers = processes.workers(2)
     parent = processes.manage(
-        ["run_fanout", "rq_items", "--param", "n=400", "--executor", "rq", "--json"]
+        ["run_fanout", "rq_items", "--param", "n=400", "--param", "spread=2"]
+        + ["--executor", "rq", "--json"]
     )
 
     code, log = parent.finish(timeout=120)
@@ -61,7 +62,9 @@ def test_every_item_runs_exactly_once_across_two_rqworker_processes_and_the_run_
     assert printed["error"] == ""
     run = assert_succeeded_once_each(printed["run_id"], 400)
     assert run.executor == "rq"
-    # Both workers took part: the items were spread over processes, not run by one.
+    # Both workers took part: the items were spread over processes, not run by one. (Every
+    # call waits until two processes have started one, so a worker that is slow to start is
+    # waited for; a dispatch that gave the whole run to one process fails the run instead.)
     assert workers_that_ran(run.pk) == {w.pid for w in workers}
 
 

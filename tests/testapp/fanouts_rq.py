@@ -8,6 +8,8 @@ Params understood by ``ledger`` (all optional):
   delay       seconds every handler call takes
   block_key   a key whose first execution blocks until ``block_file`` exists (60 s at most)
   block_file  the file that lets it go
+  spread      hold every call until this many processes have started items of the run (60 s
+              at most), so a test sees work spread over workers without racing their start-up
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from fanout import FanOut, Item, Outcome
 
 from .ledger import executing
+from .models import Execution
 
 __all__: list[str] = []  # nothing to import: constructing the definitions registers them
 
@@ -46,7 +49,17 @@ def ledger(item: Item) -> dict[str, int]:
                 time.sleep(0.02)
         elif p.get("delay"):
             time.sleep(float(p["delay"]))
+        if p.get("spread"):
+            deadline = time.monotonic() + BLOCK_LIMIT
+            while len(processes_in(item.run_id)) < int(p["spread"]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no {p['spread']} processes took items within 60 s")
+                time.sleep(0.02)
         return {"i": item.payload, "pid": os.getpid()}
+
+
+def processes_in(run_id: int) -> set[str]:
+    return set(Execution.objects.filter(run_id=run_id).values_list("worker", flat=True))
 
 
 def noop(item: Item) -> int:
