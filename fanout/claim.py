@@ -353,7 +353,7 @@ class _Claim:
             # the clock only moves forward, so what was decided before stays conservative.
             self.now = max(self.now, db_now())
         by_run = _pool_runs(list(locked))
-        busy = self.gate.open_pools(list(locked), skip_locked) if self.gate else set()
+        busy = self.gate.open_pools(list(locked), skip_locked, self.now) if self.gate else set()
         for name in names:
             pool = locked.get(name)
             if pool is None:

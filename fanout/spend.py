@@ -188,9 +188,13 @@ class Gate:
         gate.run = _lock(SpendAccount.objects.filter(run_id=run_id))
         return gate
 
-    def open_pools(self, names: Sequence[str], skip_locked: bool) -> set[str]:
+    def open_pools(self, names: Sequence[str], skip_locked: bool, now: datetime) -> set[str]:
         """Lock the named pools' budgets (call with their pool rows locked); return those whose
-        budgets were locked by another claimer (a later round skips them)."""
+        budgets were locked by another claimer (a later round skips them).
+
+        ``now`` is the claim's clock read after the pools' locks: a period that ended while
+        the claim waited for them rolls over here, as it would for the next claim."""
+        self.now = max(self.now, now)
         found = _lock(SpendAccount.objects.filter(pool__in=names), skip_locked=skip_locked)
         for name in names:
             self.pools.setdefault(name, [])
