@@ -115,12 +115,16 @@ class Joiner:
 
     def __init__(self) -> None:
         self._joining: set[int] = set()  # runs whose join thread has not ended
+        # Runs asked for again while their join thread ran: it may have looked before the
+        # last item ended, so it looks once more before it ends.
+        self._again: set[int] = set()
         self._changed = threading.Condition()
 
     def add(self, run_id: int, definition: FanOut) -> None:
         """Join the run soon, if every item has finished by then."""
         with self._changed:
             if run_id in self._joining:
+                self._again.add(run_id)
                 return
             self._joining.add(run_id)
         name = f"fanout-join-{run_id}"
@@ -141,10 +145,16 @@ class Joiner:
 
     def _serve(self, run_id: int, definition: FanOut) -> None:
         try:
-            self._join(run_id, definition)
+            while True:
+                self._join(run_id, definition)
+                with self._changed:
+                    if run_id not in self._again:
+                        break
+                    self._again.discard(run_id)
         finally:
             connection.close()
             with self._changed:
+                self._again.discard(run_id)
                 self._joining.discard(run_id)
                 self._changed.notify_all()
 
