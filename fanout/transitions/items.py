@@ -348,7 +348,10 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         if not written:
             _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
             _write_outcomes(mine)
-        if written and freeing is not None and _only_run_slots(rows, freeing[0]):
+        # Settling spend locks the run's budgets, which come after the run's row in the lock
+        # order: outcomes that count cost give their slots back here, locking the run first.
+        accounted = any(o.accounted for o in mine)
+        if written and freeing is not None and not accounted and _only_run_slots(rows, freeing[0]):
             freeing[1][freeing[0]] += len(rows)
         else:
             _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
