@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Q
-from django.utils import timezone
 
+from .clock import db_now
 from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemClaim, ItemStatus
 from .nest import descendants
 from .report import Progress, progress_of
@@ -79,7 +79,7 @@ def _line(p: Progress, depth: int = 0) -> RunLine:
 
 def runs_now(since: timedelta, limit: int, now: datetime | None = None) -> list[RunLine]:
     """Open runs, then runs finished within ``since``, newest first; ``limit`` in all."""
-    now = now or timezone.now()
+    now = now or db_now()
     runs = list(
         BatchRun.objects.filter(
             ~Q(status__in=TERMINAL_RUN_STATUSES) | Q(finished_at__gte=now - since)
@@ -94,7 +94,7 @@ def runs_now(since: timedelta, limit: int, now: datetime | None = None) -> list[
 
 def run_detail(run_id: int, now: datetime | None = None) -> RunDetail | None:
     """One run close up: its tree, the pools it uses and its latest failures."""
-    now = now or timezone.now()
+    now = now or db_now()
     run = BatchRun.objects.select_related("parent_item").filter(pk=run_id).first()
     if run is None:
         return None

@@ -13,8 +13,8 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import Count, Min, Q, QuerySet
-from django.utils import timezone
 
+from .clock import db_now
 from .models import BatchRun, ItemClaim, ItemStatus
 from .nest import descendants
 from .spend import run_report
@@ -239,7 +239,7 @@ def progress_of(
 def snapshot(run: BatchRun) -> Progress:
     """The run as it is now, re-read from the database."""
     run.refresh_from_db()
-    progress, _ = progress_of([run], timezone.now())
+    progress, _ = progress_of([run], db_now())
     return progress[run.pk]
 
 
@@ -250,7 +250,7 @@ def held_back(run_id: int, now: datetime | None = None) -> dict[str, int]:
     full, rate limited, throttled). Waiting for the run's own max_parallel is just "pending".
     """
     run = BatchRun.objects.get(pk=run_id)
-    progress, _ = progress_of([run], now or timezone.now())
+    progress, _ = progress_of([run], now or db_now())
     return progress[run_id].held_back
 
 
@@ -325,7 +325,7 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         "join_result": run.join_result,
         "error": run.error,
         # What its items cost and its budget, for a run that counts cost (fanout.spend).
-        **run_report(run.pk, timezone.now()),
+        **run_report(run.pk, db_now()),
         # Why it waits or stalls, in the admin's words (a worker's own when it could not run it).
         **({"why": progress.why} if progress.why else {}),
     }

@@ -12,9 +12,9 @@ from django.contrib import admin
 from django.http import HttpRequest
 from django.template.loader import render_to_string
 from django.urls import reverse
-from django.utils import timezone
 from django.utils.html import format_html
 
+from ..clock import db_now
 from ..cost import amount
 from ..definition import get_definition
 from ..errors import DefinitionNotFound
@@ -121,7 +121,7 @@ class SpendAccountAdmin(FanoutAdmin):
 
     @admin.display(description="Spent + reserved of budget")
     def budget_gauge(self, obj: SpendAccount) -> str:
-        (row,) = budget_bars([copy.copy(obj)], timezone.now())  # a passed period reads 0
+        (row,) = budget_bars([copy.copy(obj)], db_now())  # a passed period reads 0
         return render_to_string("fanout/admin/budget_bar.html", {"bar": row})
 
     @admin.display(description="Spent", ordering="spent")
