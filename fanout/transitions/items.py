@@ -354,9 +354,24 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         if written and freeing is not None and not accounted and _only_run_slots(rows, freeing[0]):
             freeing[1][freeing[0]] += len(rows)
         else:
-            _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
+            spawned = {o.pk for o in mine if o.kind == SPAWNED}
+            if spawned and accounted:
+                # They keep their run slots, so giving up their pools' would lock a pool and
+                # not the run, whose budget their spend then settles on: the run's row
+                # comes first in the lock order, as a claimer of the run holds it.
+                _lock_runs({run for pk, run, _ in rows if pk in spawned})
+            _leave(rows, keep_run_slot=spawned)
         spend.settle(rows, mine)
     return [o.pk for o in mine]
+
+
+def _lock_runs(run_ids: Iterable[int]) -> None:
+    """Lock the runs' rows for this transaction, in the order every transaction keeps."""
+    runs = BatchRun.objects.filter(pk__in=sorted(run_ids)).order_by("pk")
+    if connection.features.has_select_for_update:
+        no_key = connection.features.has_select_for_no_key_update
+        runs = runs.select_for_update(no_key=no_key)
+    list(runs.values_list("pk", flat=True))
 
 
 def _only_run_slots(rows: Sequence[tuple[int, int, str]], run_id: int) -> bool:

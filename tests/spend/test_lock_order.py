@@ -12,10 +12,15 @@ from fanout.claim import claim, lock_run
 from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
+from fanout.materialize import create_run
+from fanout.models import CapacityPool
+from fanout.nest import child_run_key
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
 from fanout.spend import Gate
+from fanout.transitions import SPAWNED
 from tests.procs import wait_until
 from tests.test_retry_race import LOCK_POLL, session_id, waits_for_a_lock
+from tests.testapp.fanouts_spend import SPEND_POOL
 
 pytestmark = [
     pytest.mark.skipif(
@@ -73,6 +78,58 @@ def test_a_claim_recording_spent_successes_first_locks_the_run_before_its_budget
                 every=LOCK_POLL,
             )
             Gate.open(run.pk, db_now())
+    finally:
+        if recorder.ident is not None:
+            recorder.join(60)
+    assert not errors, errors
+
+
+def test_a_spawned_item_of_a_pool_records_its_spend_after_the_runs_row() -> None:
+    # An item that spawned a child run keeps its run slot and gives its pool slot up: its
+    # record locked the pool, then the run's budget, while a claimer of the run holds the
+    # run's row and its budget and waits for the pool.
+    CapacityPool.objects.create(name=SPEND_POOL, max_concurrency=10)
+    definition = get_definition("spend_pooled")
+    run = prepare_run(definition, {"n": 2, "estimate": 0.1}, max_spend={"usd": 100.0})
+    taken = claim(run.pk, "a", 1, 30.0, 3, definition.static_pool, spend=True)
+    assert taken.token is not None and len(taken.items) == 1
+    item = taken.items[0]
+    child, _ = create_run(
+        get_definition("t_collect"),
+        {"n": 1},
+        child_run_key(run.pk, item.key),
+        parent_item_id=item.pk,
+    )
+    spawned = ExecutionOutcome(item.pk, item.key, SPAWNED, SPEND_POOL, {"child_run": child.pk})
+    spawned.accounted = True  # as every outcome of a definition that counts cost
+    sessions: list[int] = []
+    errors: list[BaseException] = []
+
+    def record_spawned() -> None:
+        try:
+            sessions.append(session_id())
+            record(run.pk, taken.token, [spawned], definition.failure_policy, definition)
+        except DatabaseError as exc:
+            errors.append(exc)
+        finally:
+            connections["default"].close()
+
+    recorder = threading.Thread(target=record_spawned)
+    try:
+        # A claim of the run: the run's row, its budget, then the run's pools.
+        with transaction.atomic():
+            lock_run(run.pk)
+            Gate.open(run.pk, db_now())
+            recorder.start()
+            wait_until(lambda: sessions, 30, "the record to start")
+            wait_until(
+                lambda: waits_for_a_lock(sessions[0]),
+                30,
+                "the record to wait",
+                every=LOCK_POLL,
+            )
+            pools = CapacityPool.objects.filter(name=SPEND_POOL).select_for_update()
+            assert list(pools.values_list("name", flat=True)) == [SPEND_POOL]
     finally:
         if recorder.ident is not None:
             recorder.join(60)
