@@ -328,9 +328,15 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
 def _roll_ended(accounts: Any) -> None:
     """Start again the pool's periods that have ended, as the next claim would: what a call
     spent counts in the period it settles in, not in one a claim will wipe."""
+    started = accounts.filter(period_started_at__isnull=False).order_by("unit")
+    if connection.features.has_select_for_update:
+        started = started.select_for_update()
+    rows = list(started.values_list("pk", "period", "calendar", "period_started_at"))
+    if not rows:
+        return
+    # Read once the budgets are held: a period that ended while this waited for another
+    # transaction's lock on them (a hand-over's) rolls over now.
     now = db_now()
-    started = accounts.filter(period_started_at__isnull=False)
-    rows = started.values_list("pk", "period", "calendar", "period_started_at")
     for pk, period, calendar, began in rows:
         if calendar:
             start = calendar_start(now, calendar)
