@@ -180,7 +180,8 @@ def _claim(
         # The outcomes' run slots are given back by the statement that locks the run.
         with transitions.slots_freed(run_id) as freed:
             done = before() if before is not None else None
-        run = lock_run(run_id, freed[run_id])
+        run = lock_run(run_id, freed.slots[run_id])
+        freed.settle()  # their spend, on the run's budget: after the run's row
         if run is None:
             result = ClaimResult(None, run_status="deleted", reason="run deleted")
         elif run["status"] != RunStatus.RUNNING:

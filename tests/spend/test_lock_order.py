@@ -13,7 +13,7 @@ from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.materialize import create_run
-from fanout.models import CapacityPool
+from fanout.models import CapacityPool, ItemClaim, SpendAccount
 from fanout.nest import child_run_key
 from fanout.record import SUCCEEDED, ExecutionOutcome, record
 from fanout.spend import Gate
@@ -82,6 +82,15 @@ def test_a_claim_recording_spent_successes_first_locks_the_run_before_its_budget
         if recorder.ident is not None:
             recorder.join(60)
     assert not errors, errors
+    # The batch's spend settled once the claim held the run: its calls' cost is spent, and
+    # the claim's two new items hold their estimates.
+    (account,) = SpendAccount.objects.filter(run_id=run.pk)
+    assert account.spent == pytest.approx(0.1)
+    assert account.reserved == pytest.approx(0.2)
+    costs = ItemClaim.objects.filter(pk__in=[i.pk for i in taken.items]).values_list(
+        "cost", flat=True
+    )
+    assert list(costs) == [{"usd": 0.05}, {"usd": 0.05}]
 
 
 def test_a_spawned_item_of_a_pool_records_its_spend_after_the_runs_row() -> None:
