@@ -81,8 +81,6 @@ class ClaimResult:
     before: Any = None
     # Compensations: the result of each claimed item, which its compensation undoes.
     results: dict[int, Any] = field(default_factory=dict)
-    # Seconds until a budget period of the claimed items' pools ends (fanout.spend).
-    budget_rolls_in: float | None = None
 
     @property
     def run_open(self) -> bool:
@@ -491,7 +489,6 @@ class _Claim:
             transitions.start(self.run_id, self.fresh, *args)
         if self.gate is not None:
             self.gate.apply(self.fresh, self.reclaimed, self.lost)
-            result.budget_rolls_in = self.gate.rolls_in()
         self._save_pools(admitted)
         admitted.sort(key=lambda c: c["index"])
         result.items = [

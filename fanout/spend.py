@@ -233,13 +233,6 @@ class Gate:
             self.blocked_until = until
         return reason
 
-    def rolls_in(self) -> float | None:
-        """Seconds until the first of the locked pools' budget periods ends (None: none
-        rolls over). Only a claim rolls a period: a worker hands over no further than this."""
-        ends = [a.period_ends() for name in self.pools for a in self.pools[name]]
-        due = [(end - self.now).total_seconds() for end in ends if end is not None]
-        return max(0.0, min(due)) if due else None
-
     def pool_spent(self, pool: str) -> str:
         """Why the pool's budget admits nothing at all now ("" while it admits some)."""
         for account in self.pools.get(pool, ()):
