@@ -17,9 +17,11 @@ A definition without ``cost=`` and a run without a budget touch none of this.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -94,8 +96,9 @@ class _Account:
     period_started_at: datetime | None
     spent_delta: float = 0.0
     reserved_delta: float = 0.0
-    reset: bool = False  # the period rolled over: spent restarts from zero
+    reset: bool = False  # the period rolled over: spent restarts from what this claim settled
     begun: bool = False  # its first period began: spent so far is spent in it
+    kept: float = 0.0  # rolled over: what this transaction had settled before, spent anew
 
     @property
     def used(self) -> float:
@@ -181,10 +184,13 @@ class Gate:
     reason: str = ""  # why the run's budget admits nothing more, when it does not
     blocked_until: datetime | None = None
     charged: list[dict] = field(default_factory=list)  # reclaimed items: cut-off calls
+    # What this transaction settled on the pools' budgets before the gate opened (the batch a
+    # claim records first), by (pool, unit): a period rolled over now keeps it.
+    settled: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, run_id: int, now: datetime) -> Gate:
-        gate = cls(run_id, now)
+    def open(cls, run_id: int, now: datetime, settled: Mapping | None = None) -> Gate:
+        gate = cls(run_id, now, settled=settled or {})
         gate.run = _lock(SpendAccount.objects.filter(run_id=run_id))
         return gate
 
@@ -196,6 +202,11 @@ class Gate:
             self.pools.setdefault(name, [])
         for account in found:
             _roll(account, self.now)
+            if account.reset:
+                # The claim's own transaction settled this before the roll: it commits in the
+                # new period, and stays spent there.
+                account.kept = self.settled.get((account.pool or "", account.unit), 0.0)
+                account.spent = account.kept
             self.pools[account.pool or ""].append(account)
         if not skip_locked or not connection.features.has_select_for_update:
             return set()
@@ -260,8 +271,9 @@ class Gate:
             if account.reset or account.begun:
                 changes.update(period_started_at=account.period_started_at)
             if account.reset:
-                # The period rolled over: spent restarts from zero, plus what this claim spent.
-                changes.update(spent=account.spent_delta)
+                # The period rolled over: spent restarts from what this transaction settled
+                # before the roll, plus what this claim spent.
+                changes.update(spent=account.kept + account.spent_delta)
             _move(SpendAccount.objects.filter(pk=account.pk), account, changes)
 
 
@@ -304,6 +316,10 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
         if not units:
             continue
         run_id, pool = key
+        collecting = _settling.get()
+        if collecting is not None and pool:
+            for unit, d in units.items():
+                collecting[(pool, unit)] = collecting.get((pool, unit), 0.0) + d[0]
         rows = SpendAccount.objects.filter(unit__in=list(units))
         if run_id is not None:
             rows = rows.filter(run_id=run_id)
@@ -312,6 +328,25 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
             _roll_ended(rows)
         moved += rows.update(spent=_plus("spent", units, 0), reserved=_plus("reserved", units, 1))
     return moved
+
+
+# What the spend settled in the current claim's transaction moved onto pools' budgets, by
+# (pool, unit), while settled_here() collects it (None: nobody asks).
+_settling: ContextVar[dict[tuple[str, str], float] | None] = ContextVar(
+    "fanout_spend_settling", default=None
+)
+
+
+@contextlib.contextmanager
+def settled_here() -> Iterator[dict[tuple[str, str], float]]:
+    """Collect what settlements spend on pools' budgets inside the block (a claim records its
+    batch first, then rolls periods over: what the batch settled must survive the roll)."""
+    collected: dict[tuple[str, str], float] = {}
+    token = _settling.set(collected)
+    try:
+        yield collected
+    finally:
+        _settling.reset(token)
 
 
 def _roll_ended(accounts: Any) -> None:
