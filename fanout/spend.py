@@ -507,6 +507,10 @@ def after_hand_over(
     owners: list[tuple[int | None, str | None]] = [(run_id, None)] if run_budget else []
     if outcome.pool:
         owners.append((None, outcome.pool))
+        # Every one of the pool's periods that has ended starts again, as a claim (and the
+        # hand-over routines) roll them: not only those of the units this call moves, or the
+        # next item is admitted against an ended period's spend.
+        _roll_ended(SpendAccount.objects.filter(pool=outcome.pool))
     _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
     # Asked even when nothing moved: a budget reached already refuses an item that reserves
     # nothing, as the claim (Gate.admit) and fanout_hand_over_spend do.
