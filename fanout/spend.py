@@ -605,7 +605,8 @@ def _never_admitted(
 
 def _open_account(account: SpendAccount, now: datetime) -> SpendAccount:
     """The account as the next claim will see it: a pool's period that has passed is spent
-    from zero (not written: only a claim, under the lock, rolls it over)."""
+    from zero (not written here: the next claim, hand-over or record rolls it over). ``now``
+    is the database's clock, which says when a period ends."""
     ends = period_end(account.period, account.calendar, account.period_started_at)
     if ends is not None and now >= ends:
         account.spent = 0.0
