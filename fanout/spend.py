@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, FloatField, Q, Value, When
 
-from .clock import calendar_end, calendar_start, db_now
+from .clock import DbNow, calendar_end, calendar_start, db_now
 from .cost import Units, add, amount, describe, total
 from .models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
 
@@ -607,10 +607,17 @@ def _open_account(account: SpendAccount, now: datetime) -> SpendAccount:
     """The account as the next claim will see it: a pool's period that has passed is spent
     from zero (not written here: the next claim, hand-over or record rolls it over). ``now``
     is the database's clock, which says when a period ends."""
+    now = getattr(account, "clock", None) or now  # read with the row (_with_clock)
     ends = period_end(account.period, account.calendar, account.period_started_at)
     if ends is not None and now >= ends:
         account.spent = 0.0
     return account
+
+
+def _with_clock(accounts: Any) -> Any:
+    """The accounts, each read with the database's clock: whoever shows them (the admin,
+    run_fanout, fanout_pools) may run on a host whose clock is hours off."""
+    return accounts.annotate(clock=DbNow())
 
 
 def _holds(account: SpendAccount, need: float) -> bool:
@@ -621,7 +628,9 @@ def _holds(account: SpendAccount, need: float) -> bool:
 def run_hold(run_id: int, now: datetime) -> str:
     """Why the run's budget admits none of its due items now ("" when it admits the next, or
     it has no budget): its next due item's estimate is what a claim would hold."""
-    accounts = [_open_account(a, now) for a in SpendAccount.objects.filter(run_id=run_id)]
+    accounts = [
+        _open_account(a, now) for a in _with_clock(SpendAccount.objects.filter(run_id=run_id))
+    ]
     if not accounts:
         return ""
     estimate = (
@@ -640,7 +649,8 @@ def run_hold(run_id: int, now: datetime) -> str:
 def pool_holds(names: Iterable[str], now: datetime) -> dict[str, str]:
     """Pools whose budget is spent (spent plus reserved at the budget), and why, in words."""
     held: dict[str, str] = {}
-    for account in SpendAccount.objects.filter(pool__in=list(names)).order_by("pool", "unit"):
+    accounts = _with_clock(SpendAccount.objects.filter(pool__in=list(names)))
+    for account in accounts.order_by("pool", "unit"):
         account = _open_account(account, now)
         if account.pool and account.pool not in held and _holds(account, 0.0):
             held[account.pool] = describe(
@@ -681,7 +691,7 @@ def run_report(run_id: int, now: datetime) -> dict[str, Any]:
     items = ItemClaim.objects.filter(run_id=run_id)
     costs = items.filter(cost__isnull=False).values_list("cost", flat=True)
     held = items.running().filter(estimate__isnull=False).values_list("estimate", flat=True)
-    budgets = budget_rows(SpendAccount.objects.filter(run_id=run_id), now)
+    budgets = budget_rows(_with_clock(SpendAccount.objects.filter(run_id=run_id)), now)
     spent, reserved = total(costs), total(held)
     if not (spent or reserved or budgets):
         return {}
