@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,7 @@ from .pools import (
     share_of,
     waiting_runs,
 )
-from .spend import Gate
+from .spend import Gate, settled_here
 from .transitions import ClaimedItem
 
 if TYPE_CHECKING:
@@ -81,8 +81,6 @@ class ClaimResult:
     before: Any = None
     # Compensations: the result of each claimed item, which its compensation undoes.
     results: dict[int, Any] = field(default_factory=dict)
-    # Seconds until a budget period of the claimed items' pools ends (fanout.spend).
-    budget_rolls_in: float | None = None
 
     @property
     def run_open(self) -> bool:
@@ -178,7 +176,7 @@ def _claim(
 ) -> ClaimResult:
     with transaction.atomic():
         # The outcomes' run slots are given back by the statement that locks the run.
-        with transitions.slots_freed(run_id) as freed:
+        with transitions.slots_freed(run_id) as freed, settled_here() as settled:
             done = before() if before is not None else None
         run = lock_run(run_id, freed.slots[run_id])
         freed.settle()  # their spend, on the run's budget: after the run's row
@@ -197,6 +195,7 @@ def _claim(
                 static_pool,
                 before is not None,
                 spend,
+                settled,
             )
             if host_limit is not None:
                 taking.limit_host(*host_limit)
@@ -237,6 +236,7 @@ class _Claim:
         static_pool: str | None,
         recorded: bool = False,
         spend: bool = False,
+        settled: Mapping[tuple[str, str], float] | None = None,
     ) -> None:
         self.run_id = run_id
         # Outcomes recorded first in this transaction hold pool locks out of name order, so
@@ -260,7 +260,8 @@ class _Claim:
         self.host_room: int | None = None  # new items this host may still run (host limit)
         self.host_reason = ""
         # Budgets to reserve estimates against (fanout.spend), locked after the run's row.
-        self.gate = Gate.open(run_id, self.now) if spend else None
+        # ``settled``: what the batch recorded first in this transaction spent on pools' budgets.
+        self.gate = Gate.open(run_id, self.now, settled) if spend else None
         self.fields = _SPEND_FIELDS if spend else _FIELDS
 
     def limit_host(self, definition: str, most: int) -> None:
@@ -491,7 +492,6 @@ class _Claim:
             transitions.start(self.run_id, self.fresh, *args)
         if self.gate is not None:
             self.gate.apply(self.fresh, self.reclaimed, self.lost)
-            result.budget_rolls_in = self.gate.rolls_in()
         self._save_pools(admitted)
         admitted.sort(key=lambda c: c["index"])
         result.items = [

@@ -206,7 +206,7 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     def summary(self, request: HttpRequest, pool: CapacityPool) -> dict[str, Any]:
         """What the pool's page shows above its fields: its state, its switch, its runs."""
-        now = db_now()
+        now = db_now()  # leases, buckets and budget periods end by the database's clock
         in_flight = ItemClaim.objects.in_flight(now).filter(pool=pool.name).count()
         return {
             "pool_state": pool_state(pool.name, pool, in_flight, now),
