@@ -435,12 +435,12 @@ def _add_an_existing_run(parser: CommandParser) -> None:
 def _end(run: BatchRun, report: dict[str, Any], executor: str, interrupted: bool) -> None:
     """Say how the run ended, by exit code, unless it succeeded."""
     if interrupted and executor == "rq":
-        raise CommandError(f"detached from run {run.pk}, which goes on", returncode=1)
+        raise RunEnded(f"detached from run {run.pk}, which goes on", returncode=EXIT_FAILED)
     if interrupted:
-        raise CommandError(
+        raise RunEnded(
             f"interrupted: run {run.pk} is {run.status}; pick it up with "
             f"run_fanout --resume {run.pk}",
-            returncode=1,
+            returncode=EXIT_FAILED,
         )
     if report["status"] != RunStatus.SUCCEEDED:
         raise RunEnded(
