@@ -130,11 +130,11 @@ class Progress:
 
 def eta(snap: report.Progress, speed: float | None) -> str:
     """ "eta 3m 05s" at the recent speed, unless a pool's rate admits the pending items later:
-    "eta 46m 12s, paced by pool payments"; "" when nothing says yet."""
+    "eta 46m 12s (paced by pool payments)"; "" when nothing says yet."""
     seconds, pool = snap.eta(speed)
     if seconds is None:
         return ""
-    return f"eta {human_duration(seconds)}" + (f", paced by pool {pool}" if pool else "")
+    return f"eta {human_duration(seconds)}" + (f" (paced by pool {pool})" if pool else "")
 
 
 def holds(snap: report.Progress) -> list[str]:

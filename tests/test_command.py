@@ -458,7 +458,7 @@ def test_the_eta_of_a_run_paced_by_its_pools_rate_counts_what_the_pool_has_left_
     lines = screen(output, 120)
     report = next(i for i, line in enumerate(lines) if re.match(r"run \d+ \(pools_named", line))
     frame = " ".join(lines[:report])
-    assert re.search(r"1/40 \(2%\).* eta 1d 1[45]h, paced by pool hourly", frame), frame
+    assert re.search(r"1/40 \(2%\).* eta 1d 1[45]h \(paced by pool hourly\) ", frame), frame
     # Ctrl-C is how the command ended, not an error of it: one plain line, exit 1.
     run = BatchRun.objects.get()
     assert code == 1, errors
@@ -475,7 +475,7 @@ def test_the_progress_line_says_the_eta_the_pools_rate_allows_and_that_it_paces_
 
     line = out.getvalue()
     assert "23/100 (23%)" in line
-    assert re.search(r" eta 4[56]m \d\ds, paced by pool paced-pool ", line), line
+    assert re.search(r" eta 4[56]m \d\ds \(paced by pool paced-pool\) ", line), line
 
 
 @override_settings(FANOUT_POOLS={"slots-pool": {"max_concurrency": 5, "rate": "50/s"}})
