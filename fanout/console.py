@@ -18,7 +18,7 @@ from .clock import db_now
 from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemClaim, ItemStatus
 from .nest import descendants
 from .report import Progress, progress_of
-from .text import human_duration, human_rate, last_line
+from .text import human_duration, human_rate, last_line, without_class
 
 FAILURES_SHOWN = 5
 
@@ -43,6 +43,8 @@ class RunLine:
     stalled: bool
     parent_run: int | None = None
     depth: int = 0
+    # The pool whose rate sets the ETA (its pending items come no faster), or "".
+    paced_by: str = ""
 
 
 @dataclass
@@ -55,9 +57,8 @@ class RunDetail:
 
 def _line(p: Progress, depth: int = 0) -> RunLine:
     run, rate = p.run, p.rate()
-    left = max(p.total - p.done, 0)
     open_ = run.status not in TERMINAL_RUN_STATUSES
-    eta = left / rate if open_ and rate and left else None
+    eta, paced_by = p.eta(rate)
     parent = run.parent_item.run_id if run.parent_item_id and run.parent_item else None
     return RunLine(
         id=run.pk,
@@ -74,6 +75,7 @@ def _line(p: Progress, depth: int = 0) -> RunLine:
         stalled=p.stalled,
         parent_run=parent,
         depth=depth,
+        paced_by=paced_by,
     )
 
 
@@ -156,6 +158,8 @@ def _reasons(line: RunLine) -> list[str]:
     """What holds the run up, the binding reason first, each whole."""
     out = [line.why] if line.why else []
     out += [f"{n:,} waiting: {reason}" for reason, n in line.waiting.items()]
+    if line.paced_by:
+        out.append(f"ETA paced by pool {line.paced_by}: its rate admits the pending items")
     return out
 
 
@@ -187,7 +191,8 @@ def render_detail(detail: RunDetail, width: int | None) -> list[str]:
     if detail.failures:
         out.append("latest failures:")
         for f in detail.failures:
-            text = f"  {f['key']} (attempt {f['attempt']}): {f['error_class']}: {f['error']}"
+            error = without_class(f["error"], f["error_class"])
+            text = f"  {f['key']} (attempt {f['attempt']}): {f['error_class']}: {error}"
             out += _wrapped(text, width, 4)
     return out
 
