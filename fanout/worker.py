@@ -46,7 +46,11 @@ logger = logging.getLogger("fanout")
 T = TypeVar("T")
 
 # One condition per process: a worker that frees capacity wakes the idle ones at once.
-_wake = threading.Condition()
+_lock = threading.RLock()
+_wake = threading.Condition(_lock)
+# Told when an idle worker of this process that held a run's turn has its claim's answer: the
+# threads of the process that wait for that run take their turns then, without looking again.
+_answered = threading.Condition(_lock)
 # Wake-ups so far (under _wake): a thread that was looking at runs or claiming when one came
 # was not waiting on the condition, and must not sleep through the capacity it announced.
 _wakes = [0]
@@ -95,10 +99,14 @@ _trying: set[int] = set()
 
 def _gate_wait(run_id: int, wait: bool = True) -> bool:
     """Wait while another idle worker of this process holds the run's turn; True if it was
-    held (a worker that serves other runs too does not wait: it looks elsewhere)."""
+    held. A worker that serves other runs too (``wait`` False) waits only for the answer of a
+    claim under way, which comes within moments; a refusal sends it elsewhere."""
     with _wake:
         until = _gate.get(run_id, 0.0)
         now = time.monotonic()
+        while not wait and until > now and run_id in _trying:
+            _answered.wait(min(until - now, conf.IDLE_MAX_SECONDS))
+            until, now = _gate.get(run_id, 0.0), time.monotonic()
         if until > now:
             if wait:
                 _wake.wait(min(until - now, conf.IDLE_MAX_SECONDS))
@@ -117,7 +125,7 @@ def gated(run_id: int) -> bool:
 def gates_open_in(run_ids: list[int]) -> float:
     """Seconds until the first of these runs may be tried again by an idle worker of this
     process: a refused run's gate lasts until its capacity may be back (a wake-up opens it
-    sooner), and a run whose turn another thread holds is looked at again within moments."""
+    sooner), and a run whose turn another thread holds is served as soon as it is answered."""
     now = time.monotonic()
     with _wake:
         if any(pk in _trying for pk in run_ids):
@@ -128,6 +136,7 @@ def gates_open_in(run_ids: list[int]) -> float:
 def _gate_set(run_id: int, result: ClaimResult) -> None:
     with _wake:
         _trying.discard(run_id)
+        _answered.notify_all()
         if result.items or not result.run_open:
             # Capacity (or the end) was found: the next idle worker may look at once.
             _gate.pop(run_id, None)
@@ -705,14 +714,20 @@ def open_runs(names: list[str], executor: str) -> QuerySet[BatchRun, dict[str, A
 
 
 def serving_order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Runs no idle worker of this process is trying (or was just refused by), least recently
-    served first. A run at max_parallel is tried too: its slots may be held by dead owners'
-    expired leases, which only a claim reclaims; a refusal gates it for a moment."""
+    """Runs no idle worker of this process was just refused by, least recently served first,
+    then those whose turn another thread holds (a thread that reaches one waits for that
+    claim's answer and takes the next turn, instead of looking at every run again). A run at
+    max_parallel is tried too: its slots may be held by dead owners' expired leases, which
+    only a claim reclaims; a refusal gates it for a moment."""
     if len(_served) > CANDIDATES * 4:  # forget runs that are no longer open
         for pk in set(_served) - {r["pk"] for r in runs}:
             _served.pop(pk, None)
-    ready = [r for r in runs if not gated(r["pk"])]
-    return sorted(ready, key=lambda r: (_served.get(r["pk"], 0.0), random.random()))
+    with _wake:
+        held = {r["pk"] for r in runs if r["pk"] in _trying}
+    ready = [r for r in runs if r["pk"] in held or not gated(r["pk"])]
+    return sorted(
+        ready, key=lambda r: (r["pk"] in held, _served.get(r["pk"], 0.0), random.random())
+    )
 
 
 @dataclass

@@ -3,6 +3,7 @@ came while it was looking at runs instead of waiting for one."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from django.test import override_settings
 
 from fanout import worker
+from fanout.claim import claim
 from fanout.definition import get_definition
 from fanout.lease import Keepers
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
@@ -101,3 +103,62 @@ def test_a_slot_freed_while_an_idle_thread_looks_at_runs_is_claimed_by_it_before
         keepers.stop()
     assert items.filter(status=ItemStatus.SUCCEEDED).count() == 2
     assert CapacityPool.objects.get(name=POOL).in_flight == 0
+
+
+def waiting_in(thread: threading.Thread) -> bool:
+    """Whether the thread is blocked in a threading wait (a condition, an event)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    return frame is not None and frame.f_code.co_filename == threading.__file__
+
+
+@override_settings(FANOUT_IDLE_MAX_SECONDS=300)
+def test_a_thread_that_finds_another_claiming_the_run_takes_the_next_turn_without_looking_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looks: list[int] = []
+
+    def open_runs(*args: Any) -> Any:
+        looks.append(1)
+        return real_open_runs(*args)
+
+    real_open_runs = worker.open_runs
+    monkeypatch.setattr(worker, "open_runs", open_runs)
+    CapacityPool.objects.create(name=POOL, max_concurrency=2)
+    block = tmp_path / "go"
+    run = prepare("pools_named", {"n": 3, "pool": POOL, "block_file": str(block)})
+    BatchRun.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, executor="rq")
+    definition = get_definition("pools_named")
+    keepers = Keepers()
+    stop = threading.Event()
+    items = ItemClaim.objects.filter(run=run)
+
+    # Another thread of this process holds the run's turn: its claim is under way.
+    assert worker._gate_wait(run.pk, wait=True) is False
+    roam = worker.Roam(
+        definition.queue,
+        keepers,
+        owner="idle",
+        stop=stop,
+        deadline=time.monotonic() + 600,
+        idle_exit=300,
+    )
+    idle = threading.Thread(target=roam, name="idle-roam", daemon=True)
+    idle.start()
+    try:
+        wait_until(lambda: looks and waiting_in(idle), 60, "the thread to wait")
+        # The claim under way takes its slot, and answers as a worker's claim does.
+        taken = claim(run.pk, "holder", 1, definition.lease_seconds, 3, None)
+        worker._gate_set(run.pk, taken)
+        assert [i.key for i in taken.items] == ["k00000"]
+        wait_until(
+            lambda: items.filter(owner="idle", status=ItemStatus.RUNNING).exists(),
+            60,
+            "the waiting thread to claim the next slot",
+        )
+        assert len(looks) == 1  # the run was looked at once, before the claim under way
+    finally:
+        block.touch()
+        stop.set()
+        worker.wake_all()
+        idle.join(30)
+        keepers.stop()
