@@ -783,9 +783,9 @@ class Roam:
                 return "idle: nothing claimable"
             pause = conf.IDLE_MAX_SECONDS
             if len(ready) < len(runs):
-                # Runs with work were skipped because another thread of ours tried them or was
-                # just refused: look again when the first of them may admit, not before (each
-                # look is a query and a claim that the threads holding slots would wait on).
+                # Runs with work were skipped because a thread of ours was just refused by them:
+                # look again when the first of them may admit, or a slot is freed, not before
+                # (each look is a query and a claim that the threads holding slots wait on).
                 gated_runs = [r["pk"] for r in runs if r not in ready]
                 pause = min(pause, max(gates_open_in(gated_runs), 0.005))
             nap(seen, pause)
