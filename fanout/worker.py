@@ -46,11 +46,19 @@ logger = logging.getLogger("fanout")
 T = TypeVar("T")
 
 # One condition per process: a worker that frees capacity wakes the idle ones at once.
-_wake = threading.Condition()
+_lock = threading.RLock()
+_wake = threading.Condition(_lock)
+# Told when an idle worker of this process that held a run's turn has its claim's answer: the
+# threads of the process that wait for that run take their turns then, without looking again.
+_answered = threading.Condition(_lock)
+# Wake-ups so far (under _wake): a thread that was looking at runs or claiming when one came
+# was not waiting on the condition, and must not sleep through the capacity it announced.
+_wakes = [0]
 
 
 def wake_all() -> None:
     with _wake:
+        _wakes[0] += 1
         _wake.notify_all()
 
 
@@ -59,7 +67,24 @@ def wake(count: int) -> None:
     if count > 0:
         with _wake:
             _gate.clear()
+            _wakes[0] += 1
             _wake.notify(count)
+
+
+def wakes() -> int:
+    """The wake-ups so far: read before looking for work, handed to ``nap`` after."""
+    with _wake:
+        return _wakes[0]
+
+
+def nap(seen: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for a wake-up, unless one came since ``wakes()`` said
+    ``seen`` (capacity was freed while this thread looked elsewhere: it looks again at once).
+    True when woken or already due to look again."""
+    with _wake:
+        if _wakes[0] != seen:
+            return True
+        return _wake.wait(timeout)
 
 
 # Per run: time.monotonic() before which idle workers of this process do not try to claim,
@@ -68,19 +93,26 @@ def wake(count: int) -> None:
 # (all woken at the same retry time) make a convoy that delays the worker that has outcomes
 # to record; one idle thread per process tries at a time instead, and passes the turn on.
 _gate: dict[int, float] = {}
+# Runs whose turn an idle worker of this process holds now: its answer comes within moments.
+_trying: set[int] = set()
 
 
 def _gate_wait(run_id: int, wait: bool = True) -> bool:
     """Wait while another idle worker of this process holds the run's turn; True if it was
-    held (a worker that serves other runs too does not wait: it looks elsewhere)."""
+    held. A worker that serves other runs too (``wait`` False) waits only for the answer of a
+    claim under way, which comes within moments; a refusal sends it elsewhere."""
     with _wake:
         until = _gate.get(run_id, 0.0)
         now = time.monotonic()
+        while not wait and until > now and run_id in _trying:
+            _answered.wait(min(until - now, conf.IDLE_MAX_SECONDS))
+            until, now = _gate.get(run_id, 0.0), time.monotonic()
         if until > now:
             if wait:
                 _wake.wait(min(until - now, conf.IDLE_MAX_SECONDS))
             return True
         _gate[run_id] = now + conf.IDLE_MAX_SECONDS  # our turn: others wait for our answer
+        _trying.add(run_id)
         return False
 
 
@@ -90,11 +122,25 @@ def gated(run_id: int) -> bool:
         return _gate.get(run_id, 0.0) > time.monotonic()
 
 
+def gates_open_in(run_ids: list[int]) -> float:
+    """Seconds until the first of these runs may be tried again by an idle worker of this
+    process: a refused run's gate lasts until its capacity may be back (a wake-up opens it
+    sooner), and a run whose turn another thread holds is served as soon as it is answered."""
+    now = time.monotonic()
+    with _wake:
+        if any(pk in _trying for pk in run_ids):
+            return GATED_PAUSE
+        return max(0.0, min(_gate.get(pk, 0.0) for pk in run_ids) - now) if run_ids else 0.0
+
+
 def _gate_set(run_id: int, result: ClaimResult) -> None:
     with _wake:
+        _trying.discard(run_id)
+        _answered.notify_all()
         if result.items or not result.run_open:
             # Capacity (or the end) was found: the next idle worker may look at once.
             _gate.pop(run_id, None)
+            _wakes[0] += 1
             _wake.notify(1)
             return
         wait = conf.IDLE_MAX_SECONDS
@@ -291,6 +337,7 @@ class Drain:
         batch: Batch | None = None
         self.spend = self.definition.accounted or spend.run_has_budget(self.run_id)
         self._idle_since: float | None = None
+        self._seen = wakes()
         self._spans = item_spans(self.run_id, self.definition.name)
         while True:
             ended = self._ended()
@@ -313,6 +360,7 @@ class Drain:
                 if self.roam:
                     return "busy: another worker's turn"
                 continue
+            self._seen = wakes()  # a wake-up from here on is not slept through by _idle
             result = self._claim(batch)
             if result is None:
                 continue  # the database went away and came back: the batch is re-recorded
@@ -606,8 +654,7 @@ class Drain:
         timeout = conf.IDLE_MAX_SECONDS
         if result.retry_in is not None:
             timeout = min(timeout, result.retry_in)
-        with _wake:
-            _wake.wait(max(timeout, 0.005))
+        nap(self._seen, max(timeout, 0.005))
 
     def _db(self, op: Callable[[], T], give_up_after: float | None = None) -> T | None:
         """Run ``op``; ride out a database that is restarting instead of losing the worker.
@@ -669,14 +716,20 @@ def open_runs(names: list[str], executor: str) -> QuerySet[BatchRun, dict[str, A
 
 
 def serving_order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Runs no idle worker of this process is trying (or was just refused by), least recently
-    served first. A run at max_parallel is tried too: its slots may be held by dead owners'
-    expired leases, which only a claim reclaims; a refusal gates it for a moment."""
+    """Runs no idle worker of this process was just refused by, least recently served first,
+    then those whose turn another thread holds (a thread that reaches one waits for that
+    claim's answer and takes the next turn, instead of looking at every run again). A run at
+    max_parallel is tried too: its slots may be held by dead owners' expired leases, which
+    only a claim reclaims; a refusal gates it for a moment."""
     if len(_served) > CANDIDATES * 4:  # forget runs that are no longer open
         for pk in set(_served) - {r["pk"] for r in runs}:
             _served.pop(pk, None)
-    ready = [r for r in runs if not gated(r["pk"])]
-    return sorted(ready, key=lambda r: (_served.get(r["pk"], 0.0), random.random()))
+    with _wake:
+        held = {r["pk"] for r in runs if r["pk"] in _trying}
+    ready = [r for r in runs if r["pk"] in held or not gated(r["pk"])]
+    return sorted(
+        ready, key=lambda r: (r["pk"] in held, _served.get(r["pk"], 0.0), random.random())
+    )
 
 
 @dataclass
@@ -719,6 +772,7 @@ class Roam:
                 return "stopped"
             if time.monotonic() >= self.deadline:
                 return "time budget spent"
+            seen = wakes()
             runs = self._look(lambda: list(open_runs(self.names, self.executor))) or []
             ready = serving_order(runs)
             served, due_soon = self._round(ready)
@@ -731,11 +785,12 @@ class Roam:
                 return "idle: nothing claimable"
             pause = conf.IDLE_MAX_SECONDS
             if len(ready) < len(runs):
-                # Runs with work were skipped while another thread of ours tried them: most
-                # such turns end within moments (a collision with another process's claim).
-                pause = min(pause, GATED_PAUSE)
-            with _wake:
-                _wake.wait(pause)
+                # Runs with work were skipped because a thread of ours was just refused by them:
+                # look again when the first of them may admit, or a slot is freed, not before
+                # (each look is a query and a claim that the threads holding slots wait on).
+                gated_runs = [r["pk"] for r in runs if r not in ready]
+                pause = min(pause, max(gates_open_in(gated_runs), 0.005))
+            nap(seen, pause)
 
     def _round(self, runs: list[dict[str, Any]]) -> tuple[bool, bool]:
         """Serve the first of ``runs`` that has work for us; say whether one had, and whether
