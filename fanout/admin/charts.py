@@ -94,22 +94,50 @@ def _durations(c: RunCharts) -> dict[str, Any]:
     held = [i for i, n in enumerate(c.durations) if n]
     lo, hi = (held[0], held[-1] + 1) if held else (0, len(c.durations))
     counts = c.durations[lo:hi]
-    ticks = [(i - lo, edges[i - 1]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 or i == lo + 1]
     series = [svg.Series("items", "duration", counts)]
-    about = "" if c.exact else "≈ "  # read off a sampled run's histogram
-    figures = ", ".join(
-        f"p{p} {about}{precise_duration(c.percentiles[p])}"
-        for p in PERCENTILES
-        if p in c.percentiles
-    )
     return {
         "name": "durations",
         "title": "Handler duration",
-        "svg": svg.bars(series, "Handler durations", ticks, "", names[lo:hi]),
+        "svg": svg.bars(series, "Handler durations", _duration_ticks(lo, hi), "", names[lo:hi]),
         "legend": "",
-        "note": figures or "No item has finished yet.",
+        "note": _percentile_note(c) or "No item has finished yet.",
         "percentiles": {p: precise_duration(d) for p, d in c.percentiles.items()},
     }
+
+
+def _duration_ticks(lo: int, hi: int) -> list[tuple[int, str]]:
+    """The bucket edges under the duration chart's bars lo..hi: both ends (the first bar's
+    lower edge, the last bar's upper one) and every third edge between them, so that even one
+    bar says what it spans."""
+    edges = ["0", *(precise_duration(e) for e in DURATION_EDGES)]  # edges[i]: bucket i's lower
+    ticks = [(0, edges[lo])]
+    ticks += [(i - lo, edges[i]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 and hi - i > 1]
+    if hi < len(edges):
+        ticks.append((hi - lo, edges[hi]))
+    return ticks
+
+
+def _percentile_note(c: RunCharts) -> str:
+    """p50, p95, p99: exact, or (a sampled run: its histogram alone) the bucket each lies in."""
+    if c.exact:
+        return ", ".join(
+            f"p{p} {precise_duration(c.percentiles[p])}" for p in PERCENTILES if p in c.percentiles
+        )
+    spans: dict[tuple, list[str]] = {}
+    for p in PERCENTILES:
+        if p in c.bounds:
+            spans.setdefault(c.bounds[p], []).append(f"p{p}")
+    parts = []
+    for (lo, hi), names in spans.items():
+        who = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        if hi is None:
+            where = f"over {precise_duration(lo)}"
+        elif not lo:
+            where = f"under {precise_duration(hi)}"
+        else:
+            where = f"between {precise_duration(lo)} and {precise_duration(hi)}"
+        parts.append(f"{who} {where}")
+    return "; ".join(parts) + " (from the sampled histogram's buckets)" if parts else ""
 
 
 def _attempts(c: RunCharts) -> dict[str, Any]:
