@@ -23,9 +23,18 @@ from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, W
 from django.db.models.functions import RowNumber
 
 from .backends import backend
-from .models import TERMINAL_ITEM_STATUSES, BatchRun, ItemClaim, ItemStatus, RunSample
+from .models import BatchRun, ItemClaim, ItemStatus, RunSample
 from .sample import WAITS
-from .tally import ATTEMPTS_SHOWN, DURATION_EDGES, Ended, bucket_of, ended, or_none, took
+from .tally import (
+    ATTEMPTS_SHOWN,
+    DURATION_EDGES,
+    ENDED_ITEM_STATUSES,
+    Ended,
+    bucket_of,
+    ended,
+    or_none,
+    took,
+)
 
 __all__ = [
     "ATTEMPTS_SHOWN",
@@ -231,7 +240,7 @@ def _percentiles(items: QuerySet[ItemClaim], histogram: list[int]) -> dict[int, 
     wanted = {p: _rank_in_bucket(histogram, p) for p in PERCENTILES}  # p: (bucket, rank in it)
     buckets = sorted({b for b, _ in wanted.values()})
     ranked = (
-        items.filter(status__in=TERMINAL_ITEM_STATUSES)
+        items.filter(status__in=ENDED_ITEM_STATUSES)
         .filter(started_at__isnull=False, finished_at__isnull=False)
         .annotate(took=took())
         .annotate(d=bucket_of("took", DURATION_EDGES))

@@ -640,3 +640,21 @@ def test_a_runs_durations_in_a_single_bucket_are_labelled_with_its_edges(
     labels = re.findall(r'class="fanout-chart-label"[^>]*>([^<]*)<', svg)
     assert "2.0s" in labels and "5.0s" in labels, labels
     assert note == "p50 3.1s, p95 3.2s, p99 3.2s"
+
+
+def test_a_pools_admissions_chart_draws_what_its_burst_allows_above_its_rate(
+    admin_client: Any,
+) -> None:
+    """A full bucket admits its burst at once: a minute's bar may rise above the rate's line
+    by burst / 60 s, which read as a broken limit."""
+    pool = CapacityPool.objects.create(
+        name="bursty", max_concurrency=10, rate_count=100, rate_period=60, burst=20
+    )
+
+    page = admin_client.get(reverse("admin:fanout_capacitypool_change", args=[pool.pk]))
+
+    panel = next(c for c in page.context["charts"] if c["name"] == "pool-admitted")
+    svg = str(panel["svg"])
+    assert "<title>rate: 1.7/s</title>" in svg
+    assert "<title>most a 1m 00s bar can admit, with a full burst of 20: 2/s</title>" in svg
+    assert "burst" in panel["note"] and "dotted" in panel["note"]

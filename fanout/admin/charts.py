@@ -228,10 +228,18 @@ def pool_panels(pool: CapacityPool, now: datetime) -> list[dict[str, Any]]:
             "name": "pool-admitted",
             "title": "Admissions per second, last hour",
             "svg": svg.bars(
-                admitted, "Admissions per second", ticks, "/s", names, _rate_limit(pool)
+                admitted,
+                "Admissions per second",
+                ticks,
+                "/s",
+                names,
+                _rate_limit(pool),
+                _burst_ceiling(pool, c.seconds),
+                limit_name="rate",
             ),
             "legend": "",
-            "note": f"{sum(c.admitted):,} admitted in the hour; rate {pool.describe_rate()}",
+            "note": f"{sum(c.admitted):,} admitted in the hour; rate {pool.describe_rate()}"
+            + _burst_note(pool, c.seconds),
         },
     ]
 
@@ -240,3 +248,24 @@ def _rate_limit(pool: CapacityPool) -> float | None:
     if pool.rate_count is None:
         return None
     return pool.rate_count / pool.rate_period
+
+
+def _burst_ceiling(pool: CapacityPool, seconds: float) -> tuple[float, str] | None:
+    """The most a bar of ``seconds`` can admit per second: the rate, and a full bucket (its
+    burst) spent at once. A bar between the rate's line and this one is the burst, not a
+    broken limit."""
+    rate, burst = _rate_limit(pool), pool.capacity
+    if rate is None or not burst:
+        return None
+    bar = human_duration(seconds)
+    return rate + burst / seconds, f"most a {bar} bar can admit, with a full burst of {burst}"
+
+
+def _burst_note(pool: CapacityPool, seconds: float) -> str:
+    ceiling = _burst_ceiling(pool, seconds)
+    if ceiling is None:
+        return ""
+    return (
+        f". The dashed line is the rate; the dotted one what a bar can admit with a full "
+        f"burst ({pool.capacity} at once): {svg.number(ceiling[0])}/s."
+    )
