@@ -658,3 +658,45 @@ def test_a_pools_admissions_chart_draws_what_its_burst_allows_above_its_rate(
     assert "<title>rate: 1.7/s</title>" in svg
     assert "<title>most a 1m 00s bar can admit, with a full burst of 20: 2/s</title>" in svg
     assert "burst" in panel["note"] and "dotted" in panel["note"]
+
+
+def test_a_reopened_runs_charts_mark_the_time_it_lay_ended(admin_client: Any) -> None:
+    """Retried twelve minutes after it ended: its axis spans both periods, and the empty
+    stretch between them is marked as the time it lay ended, not left as a mystery."""
+    cache.clear()
+    run = new_run(minutes=13, reopened=1)
+    assert run.started_at and run.finished_at
+    rows = [
+        ItemClaim(
+            run=run,
+            key=f"k{i}",
+            index=i,
+            status=ItemStatus.SUCCEEDED,
+            attempt=1,
+            started_at=run.started_at + timedelta(seconds=i),
+            finished_at=run.started_at + timedelta(seconds=i, milliseconds=300),
+        )
+        for i in range(40)
+    ] + [
+        ItemClaim(
+            run=run,
+            key="again",
+            index=40,
+            status=ItemStatus.FAILED,
+            attempt=2,
+            started_at=run.finished_at - timedelta(seconds=3),
+            finished_at=run.finished_at,
+        )
+    ]
+    ItemClaim.objects.bulk_create(rows)
+
+    page = admin_client.get(reverse("admin:fanout_batchrun_change", args=[run.pk]))
+
+    throughput = next(c for c in page.context["charts"] if c["name"] == "throughput")
+    idle = re.findall(
+        r'<rect class="fanout-chart-idle"[^>]*><title>([^<]*)</title>', str(throughput["svg"])
+    )
+    assert len(idle) == 1 and idle[0].startswith("ended, until reopened: "), idle
+    assert "Reopened once" in throughput["note"], throughput["note"]
+    headline = page.content.decode().split('class="fanout-headline"')[1].split("</div>")[0]
+    assert "reopened once" in headline

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +22,8 @@ from ..models import BatchRun, CapacityPool
 from ..sample import WAITS
 from ..text import human_duration, precise_duration
 from . import svg
+
+Idle = tuple[int, int, str]  # a stretch of bars (first, end) and what it was
 
 WAIT_NAMES = {
     "running": "running",
@@ -48,7 +51,13 @@ def _slot_names(axis: TimeAxis) -> list[str]:
 def run_panels(run: BatchRun, now: datetime) -> list[dict[str, Any]]:
     """The run page's charts, each a panel: title, svg, legend, a line of figures."""
     charts = cached_run_charts(run, now)
-    panels = [_throughput(charts), _durations(charts), _attempts(charts), _waits(charts)]
+    idle = _idle(charts) if run.reopened else []
+    panels = [
+        _throughput(charts, idle, run.reopened),
+        _durations(charts),
+        _attempts(charts),
+        _waits(charts, idle),
+    ]
     if charts.children:
         panels.append(_children(run, charts))
     return panels
@@ -58,7 +67,34 @@ def _per_second(values: list[int], seconds: float) -> list[float | None]:
     return [v / seconds for v in values]
 
 
-def _throughput(c: RunCharts) -> dict[str, Any]:
+def _idle(c: RunCharts) -> list[Idle]:
+    """A reopened run's axis runs from its first start: the longest stretch of three bars or
+    more with nothing ended and no sample, between bars that have some, is the time it lay
+    ended before a retry reopened it."""
+    waits = list(c.waits.values())
+    active = [bool(c.finished[b]) or any(w[b] for w in waits) for b in range(c.axis.count)]
+    held = [b for b, a in enumerate(active) if a]
+    best: tuple[int, int] = (0, 0)
+    start = None
+    for b in range(held[0], held[-1] + 1) if held else ():
+        if not active[b] and start is None:
+            start = b
+        elif active[b] and start is not None:
+            best = max(best, (start, b), key=lambda g: g[1] - g[0])
+            start = None
+    first, end = best
+    if end - first < 3:
+        return []
+    return [
+        (first, end, f"ended, until reopened: about {human_duration(c.axis.step * (end - first))}")
+    ]
+
+
+def _throughput(
+    c: RunCharts,
+    idle: Sequence[Idle] = (),
+    reopened: int = 0,
+) -> dict[str, Any]:
     series = [
         svg.Series(
             "finished",
@@ -77,10 +113,23 @@ def _throughput(c: RunCharts) -> dict[str, Any]:
             time_ticks(c.axis, "start"),
             "/s",
             _slot_names(c.axis),
+            marks=idle,
         ),
         "legend": svg.legend(series),
-        "note": f"{done:,} finished, {failed:,} failed; one bar per {human_duration(c.axis.step)}",
+        "note": f"{done:,} finished, {failed:,} failed; one bar per {human_duration(c.axis.step)}"
+        + _reopened_note(reopened, idle),
     }
+
+
+def _reopened_note(reopened: int, idle: Sequence[Idle]) -> str:
+    if not reopened:
+        return ""
+    times = "once" if reopened == 1 else f"{reopened} times"
+    shaded = " The shaded stretch is the time it lay ended." if idle else ""
+    return (
+        f". Reopened {times} by a retry: the axis, the duration and the rate run from its "
+        f"first start.{shaded}"
+    )
 
 
 def _durations(c: RunCharts) -> dict[str, Any]:
@@ -159,7 +208,7 @@ def _attempts(c: RunCharts) -> dict[str, Any]:
     }
 
 
-def _waits(c: RunCharts) -> dict[str, Any]:
+def _waits(c: RunCharts, idle: Sequence[Idle] = ()) -> dict[str, Any]:
     series = [svg.Series(WAIT_NAMES[w], f"wait-{w}", c.waits[w]) for w in WAITS]
     sampled = any(v is not None for v in c.waits["running"])
     return {
@@ -171,6 +220,7 @@ def _waits(c: RunCharts) -> dict[str, Any]:
             time_ticks(c.axis, "start"),
             "",
             _slot_names(c.axis),
+            marks=idle,
         ),
         "legend": svg.legend(series),
         "note": "Mean items per bar, from the supervisor's samples."

@@ -126,6 +126,7 @@ def bars(
     limit: float | None = None,
     ceiling: tuple[float, str] | None = None,
     limit_name: str = "limit",
+    marks: Sequence[tuple[int, int, str]] = (),
 ) -> SafeString:
     """Bars stacked in the order of ``series``, one slot per value; ``limit`` draws a dashed
     line (its title ``limit_name``), ``ceiling`` (value, title) a dotted one: how far above
@@ -135,7 +136,9 @@ def bars(
     top = ceiling[0] if ceiling else 0
     scale = _Scale(slots, max([*totals, limit or 0, top, 0]) or 1)
     names = [f" {n}" for n in slot_names] + [""] * slots
-    rects = [r for i in range(slots) for r in _stack(series, i, scale, names[i])]
+    # ``marks``: stretches of slots (first, end, title) shaded behind the bars.
+    rects = [_mark(first, end, title, scale) for first, end, title in marks]
+    rects += [r for i in range(slots) for r in _stack(series, i, scale, names[i])]
     lines = [] if limit is None else [("limit", limit, limit_name)]
     if ceiling is not None:
         lines.append(("ceiling", ceiling[0], ceiling[1]))
@@ -155,6 +158,22 @@ def bars(
             )
         )
     return _frame("".join(rects), label, scale.ymax, unit, ticks, slots)
+
+
+def _mark(first: int, end: int, title: str, scale: _Scale) -> str:
+    x, w = LEFT + first * scale.slot_w, (end - first) * scale.slot_w
+    return format_html(
+        '<rect class="fanout-chart-idle" x="{}" y="{}" width="{}" height="{}"><title>{}</title>'
+        '</rect><text class="fanout-chart-label" x="{}" y="{}" text-anchor="middle">{}</text>',
+        f"{x:.2f}",
+        TOP,
+        f"{w:.2f}",
+        PLOT_H,
+        title,
+        f"{x + w / 2:.2f}",
+        TOP + PLOT_H / 2,
+        "ended" if w >= 40 else "",
+    )
 
 
 def _stack(series: Sequence[Series], i: int, scale: _Scale, where: str) -> list[str]:

@@ -548,13 +548,13 @@ def test_a_runs_params_its_errors_and_why_it_failed_are_read_without_hovering_at
         error = page.locator("#result_list td.field-last_error .fanout-wrap").first
         assert_seen_whole(error, f"PermanentError: {CARD_DECLINED}")
         assert "fanout.errors" not in error.inner_text()
-        # The worker: its host's first label, process and thread on one line, each whole;
-        # the fully qualified name in the tooltip.
+        # The worker: its host's first label, process and thread, each whole (the thread on a
+        # second line at most); the fully qualified name in the tooltip.
         worker = page.locator("#result_list td.field-lease .fanout-worker").first
         assert_seen_whole(worker.locator(".fanout-host"), "worker-7 · 48211")
         assert_seen_whole(worker.locator(".fanout-thread"), "fanout-drain-3")
         assert worker.get_attribute("title") == WORKER
-        assert worker.bounding_box()["height"] < 2 * 18, worker.bounding_box()
+        assert worker.bounding_box()["height"] < 3 * 18, worker.bounding_box()
 
         # The run's page says why it failed, and offers nothing to edit or save.
         page.goto(f"{admin}/batchrun/{failed.pk}/change/")
