@@ -39,6 +39,7 @@ DURATION_EDGES = tuple(
     if m * 10**e <= 86_400_000
 )
 ATTEMPTS_SHOWN = 10  # attempts above this are counted together
+ENDED_ITEM_STATUSES = tuple(s for s in TERMINAL_ITEM_STATUSES if s != ItemStatus.CANCELLED)
 
 
 def bucket_of(name: str, edges: Sequence[Any]) -> Any:
@@ -98,9 +99,9 @@ class Ended:
 def ended(
     items: QuerySet[ItemClaim], edges: Sequence[datetime] = ()
 ) -> list[tuple[int, int, int, int, int]]:
-    """The items that ended (a terminal status and an end time), grouped by (the bucket of
-    their end among ``edges``, failed, their duration's bucket, their attempt): a few
-    thousand groups at most, whatever the number of items."""
+    """The items that ended (a terminal status other than cancelled, and an end time),
+    grouped by (the bucket of their end among ``edges``, failed, their duration's bucket,
+    their attempt): a few thousand groups at most, whatever the number of items."""
     started = Q(started_at__isnull=False)
     capped = Case(
         When(attempt__gt=ATTEMPTS_SHOWN, then=Value(ATTEMPTS_SHOWN)),
@@ -110,8 +111,10 @@ def ended(
     lost = Case(
         When(status=ItemStatus.FAILED, then=Value(1)), default=Value(0), output_field=IntegerField()
     )
+    # An item cancelled before its handler ran (or between its attempts) ended no attempt: a
+    # run cancelled with most of its items pending drew them as finished, in one spike.
     return list(
-        items.filter(status__in=TERMINAL_ITEM_STATUSES)
+        items.filter(status__in=ENDED_ITEM_STATUSES)
         .filter(finished_at__isnull=False)
         .annotate(took=took())
         .annotate(

@@ -5,6 +5,7 @@ them). Decided here once, for the admin's pages, run_fanout's progress and its -
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -40,7 +41,9 @@ class PoolState:
 
     @property
     def label(self) -> str:
-        return self.reason or "admitting"
+        """The reason to the second ("rate limited until 10:00:01"), or "admitting": a badge's
+        milliseconds widened the run page's Pools panel past a laptop's screen."""
+        return re.sub(r"(\d\d:\d\d:\d\d)\.\d+", r"\1", self.reason) or "admitting"
 
     @property
     def short_reason(self) -> str:

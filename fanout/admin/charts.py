@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +22,8 @@ from ..models import BatchRun, CapacityPool
 from ..sample import WAITS
 from ..text import human_duration, precise_duration
 from . import svg
+
+Idle = tuple[int, int, str]  # a stretch of bars (first, end) and what it was
 
 WAIT_NAMES = {
     "running": "running",
@@ -48,7 +51,13 @@ def _slot_names(axis: TimeAxis) -> list[str]:
 def run_panels(run: BatchRun, now: datetime) -> list[dict[str, Any]]:
     """The run page's charts, each a panel: title, svg, legend, a line of figures."""
     charts = cached_run_charts(run, now)
-    panels = [_throughput(charts), _durations(charts), _attempts(charts), _waits(charts)]
+    idle = _idle(charts) if run.reopened else []
+    panels = [
+        _throughput(charts, idle, run.reopened),
+        _durations(charts),
+        _attempts(charts),
+        _waits(charts, idle),
+    ]
     if charts.children:
         panels.append(_children(run, charts))
     return panels
@@ -58,7 +67,34 @@ def _per_second(values: list[int], seconds: float) -> list[float | None]:
     return [v / seconds for v in values]
 
 
-def _throughput(c: RunCharts) -> dict[str, Any]:
+def _idle(c: RunCharts) -> list[Idle]:
+    """A reopened run's axis runs from its first start: the longest stretch of three bars or
+    more with nothing ended and no sample, between bars that have some, is the time it lay
+    ended before a retry reopened it."""
+    waits = list(c.waits.values())
+    active = [bool(c.finished[b]) or any(w[b] for w in waits) for b in range(c.axis.count)]
+    held = [b for b, a in enumerate(active) if a]
+    best: tuple[int, int] = (0, 0)
+    start = None
+    for b in range(held[0], held[-1] + 1) if held else ():
+        if not active[b] and start is None:
+            start = b
+        elif active[b] and start is not None:
+            best = max(best, (start, b), key=lambda g: g[1] - g[0])
+            start = None
+    first, end = best
+    if end - first < 3:
+        return []
+    return [
+        (first, end, f"ended, until reopened: about {human_duration(c.axis.step * (end - first))}")
+    ]
+
+
+def _throughput(
+    c: RunCharts,
+    idle: Sequence[Idle] = (),
+    reopened: int = 0,
+) -> dict[str, Any]:
     series = [
         svg.Series(
             "finished",
@@ -77,10 +113,23 @@ def _throughput(c: RunCharts) -> dict[str, Any]:
             time_ticks(c.axis, "start"),
             "/s",
             _slot_names(c.axis),
+            marks=idle,
         ),
         "legend": svg.legend(series),
-        "note": f"{done:,} finished, {failed:,} failed; one bar per {human_duration(c.axis.step)}",
+        "note": f"{done:,} finished, {failed:,} failed; one bar per {human_duration(c.axis.step)}"
+        + _reopened_note(reopened, idle),
     }
+
+
+def _reopened_note(reopened: int, idle: Sequence[Idle]) -> str:
+    if not reopened:
+        return ""
+    times = "once" if reopened == 1 else f"{reopened} times"
+    shaded = " The shaded stretch is the time it lay ended." if idle else ""
+    return (
+        f". Reopened {times} by a retry: the axis, the duration and the rate run from its "
+        f"first start.{shaded}"
+    )
 
 
 def _durations(c: RunCharts) -> dict[str, Any]:
@@ -94,22 +143,50 @@ def _durations(c: RunCharts) -> dict[str, Any]:
     held = [i for i, n in enumerate(c.durations) if n]
     lo, hi = (held[0], held[-1] + 1) if held else (0, len(c.durations))
     counts = c.durations[lo:hi]
-    ticks = [(i - lo, edges[i - 1]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 or i == lo + 1]
     series = [svg.Series("items", "duration", counts)]
-    about = "" if c.exact else "≈ "  # read off a sampled run's histogram
-    figures = ", ".join(
-        f"p{p} {about}{precise_duration(c.percentiles[p])}"
-        for p in PERCENTILES
-        if p in c.percentiles
-    )
     return {
         "name": "durations",
         "title": "Handler duration",
-        "svg": svg.bars(series, "Handler durations", ticks, "", names[lo:hi]),
+        "svg": svg.bars(series, "Handler durations", _duration_ticks(lo, hi), "", names[lo:hi]),
         "legend": "",
-        "note": figures or "No item has finished yet.",
+        "note": _percentile_note(c) or "No item has finished yet.",
         "percentiles": {p: precise_duration(d) for p, d in c.percentiles.items()},
     }
+
+
+def _duration_ticks(lo: int, hi: int) -> list[tuple[int, str]]:
+    """The bucket edges under the duration chart's bars lo..hi: both ends (the first bar's
+    lower edge, the last bar's upper one) and every third edge between them, so that even one
+    bar says what it spans."""
+    edges = ["0", *(precise_duration(e) for e in DURATION_EDGES)]  # edges[i]: bucket i's lower
+    ticks = [(0, edges[lo])]
+    ticks += [(i - lo, edges[i]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 and hi - i > 1]
+    if hi < len(edges):
+        ticks.append((hi - lo, edges[hi]))
+    return ticks
+
+
+def _percentile_note(c: RunCharts) -> str:
+    """p50, p95, p99: exact, or (a sampled run: its histogram alone) the bucket each lies in."""
+    if c.exact:
+        return ", ".join(
+            f"p{p} {precise_duration(c.percentiles[p])}" for p in PERCENTILES if p in c.percentiles
+        )
+    spans: dict[tuple, list[str]] = {}
+    for p in PERCENTILES:
+        if p in c.bounds:
+            spans.setdefault(c.bounds[p], []).append(f"p{p}")
+    parts = []
+    for (lo, hi), names in spans.items():
+        who = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        if hi is None:
+            where = f"over {precise_duration(lo)}"
+        elif not lo:
+            where = f"under {precise_duration(hi)}"
+        else:
+            where = f"between {precise_duration(lo)} and {precise_duration(hi)}"
+        parts.append(f"{who} {where}")
+    return "; ".join(parts) + " (from the sampled histogram's buckets)" if parts else ""
 
 
 def _attempts(c: RunCharts) -> dict[str, Any]:
@@ -131,7 +208,7 @@ def _attempts(c: RunCharts) -> dict[str, Any]:
     }
 
 
-def _waits(c: RunCharts) -> dict[str, Any]:
+def _waits(c: RunCharts, idle: Sequence[Idle] = ()) -> dict[str, Any]:
     series = [svg.Series(WAIT_NAMES[w], f"wait-{w}", c.waits[w]) for w in WAITS]
     sampled = any(v is not None for v in c.waits["running"])
     return {
@@ -143,6 +220,7 @@ def _waits(c: RunCharts) -> dict[str, Any]:
             time_ticks(c.axis, "start"),
             "",
             _slot_names(c.axis),
+            marks=idle,
         ),
         "legend": svg.legend(series),
         "note": "Mean items per bar, from the supervisor's samples."
@@ -200,10 +278,18 @@ def pool_panels(pool: CapacityPool, now: datetime) -> list[dict[str, Any]]:
             "name": "pool-admitted",
             "title": "Admissions per second, last hour",
             "svg": svg.bars(
-                admitted, "Admissions per second", ticks, "/s", names, _rate_limit(pool)
+                admitted,
+                "Admissions per second",
+                ticks,
+                "/s",
+                names,
+                _rate_limit(pool),
+                _burst_ceiling(pool, c.seconds),
+                limit_name="rate",
             ),
             "legend": "",
-            "note": f"{sum(c.admitted):,} admitted in the hour; rate {pool.describe_rate()}",
+            "note": f"{sum(c.admitted):,} admitted in the hour; rate {pool.describe_rate()}"
+            + _burst_note(pool, c.seconds),
         },
     ]
 
@@ -212,3 +298,24 @@ def _rate_limit(pool: CapacityPool) -> float | None:
     if pool.rate_count is None:
         return None
     return pool.rate_count / pool.rate_period
+
+
+def _burst_ceiling(pool: CapacityPool, seconds: float) -> tuple[float, str] | None:
+    """The most a bar of ``seconds`` can admit per second: the rate, and a full bucket (its
+    burst) spent at once. A bar between the rate's line and this one is the burst, not a
+    broken limit."""
+    rate, burst = _rate_limit(pool), pool.capacity
+    if rate is None or not burst:
+        return None
+    bar = human_duration(seconds)
+    return rate + burst / seconds, f"most a {bar} bar can admit, with a full burst of {burst}"
+
+
+def _burst_note(pool: CapacityPool, seconds: float) -> str:
+    ceiling = _burst_ceiling(pool, seconds)
+    if ceiling is None:
+        return ""
+    return (
+        f". The dashed line is the rate; the dotted one what a bar can admit with a full "
+        f"burst ({pool.capacity} at once): {svg.number(ceiling[0])}/s."
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
+from django.db.models import Count
 from django.http import HttpRequest
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
@@ -28,7 +29,7 @@ from rq import Worker
 from ..definition import FanOut, get_definition
 from ..dispatch import dispatch, move_to_rq, rq_unavailable
 from ..errors import FanoutError
-from ..models import BatchRun, RunStatus
+from ..models import BatchRun, ItemClaim, ItemStatus, RunStatus
 from ..rq import get_queue
 from ..text import last_line
 
@@ -62,6 +63,7 @@ def page_action_form(changelist_url: str) -> tuple[str, str]:
 CONFIRMED = "fanout_confirmed"
 CANCELLABLE_RUNS = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.JOINING)
 TIME_FORMAT = "Y-m-d H:i:s"
+EMPTY = "-"  # an empty field, as Django's admin marks one (empty_value_display)
 
 
 def items_url(**params: Any) -> str:
@@ -71,7 +73,7 @@ def items_url(**params: Any) -> str:
 
 def json_block(value: Any) -> str:
     if value is None:
-        return "—"
+        return EMPTY
     return format_html('<pre class="fanout-json">{}</pre>', json.dumps(value, indent=2))
 
 
@@ -100,18 +102,19 @@ def wrapped(text: str, css: str = "") -> str:
 
 def worker_name(owner: str, short: bool = False) -> str:
     """A lease holder (host:pid:thread), wrapping only between its parts. ``short`` (a list's
-    narrow column): the host's first label and the process, its thread on a line below, the
-    whole name in the tooltip; a fully qualified host broke mid-word over five lines."""
+    narrow column): one line of the host's first label, the process and the thread (its last
+    part: an inline worker is "MainThread:inline-2"), the whole name in the tooltip; a fully
+    qualified host broke mid-word over five lines, and host, process and threads over four."""
     host, *rest = owner.split(":")
     if short and len(rest) > 1:
         label = host if host.replace(".", "").isdigit() else host.split(".")[0]
         return format_html(
             '<span class="fanout-worker" title="{}"><span class="fanout-host">{} · {}</span>'
-            '<span class="fanout-sub">{}</span></span>',
+            ' · <span class="fanout-thread">{}</span></span>',
             owner,
             label,
             rest[0],
-            " · ".join(rest[1:]),  # wraps at its spaces, never inside a part
+            rest[-1],
         )
     parts = format_html_join(mark_safe(":<wbr>"), "{}", ((p,) for p in owner.split(":")))
     return format_html('<span class="fanout-wrap fanout-worker" title="{}">{}</span>', owner, parts)
@@ -289,6 +292,59 @@ def confirm_stranded(
         "back_url": _local(request.POST.get("_return_to", "")) or request.get_full_path(),
     }
     return TemplateResponse(request, "fanout/admin/confirm_stranded.html", context)
+
+
+def confirm_cancel(
+    model_admin: admin.ModelAdmin,
+    request: HttpRequest,
+    runs: list[BatchRun],
+    what: str,
+    undo: bool = False,
+) -> TemplateResponse | None:
+    """Like Django's delete confirmation: before a cancel, a page that lists the runs, what
+    becomes of their items, and asks again; None once confirmed (``post=yes``) or when no run
+    can be cancelled. Reached through the action alone: its permission is checked first."""
+    if not runs or request.POST.get("post") == "yes":
+        return None
+    rows = (
+        ItemClaim.objects.filter(run__in=runs)
+        .values("run_id", "status")
+        .annotate(n=Count("pk"))
+        .order_by()
+        .values_list("run_id", "status", "n")
+    )
+    counts: dict[int, dict[str, int]] = {}
+    for run_id, status, n in rows:
+        counts.setdefault(run_id, {})[status] = n
+    opts = model_admin.model._meta
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": f"{what}: are you sure?",
+        "subtitle": None,
+        "opts": opts,
+        "what": what,
+        "undo": undo,
+        "runs": [
+            {
+                "run": run,
+                "pending": counts.get(run.pk, {}).get(ItemStatus.PENDING, 0),
+                "running": sum(
+                    counts.get(run.pk, {}).get(s, 0)
+                    for s in (ItemStatus.RUNNING, ItemStatus.WAITING)
+                ),
+                "succeeded": counts.get(run.pk, {}).get(ItemStatus.SUCCEEDED, 0),
+            }
+            for run in runs
+        ],
+        "repost": [
+            (name, value)
+            for name in request.POST
+            if name not in ("csrfmiddlewaretoken", "post")
+            for value in request.POST.getlist(name)
+        ],
+        "back_url": _local(request.POST.get("_return_to", "")) or request.get_full_path(),
+    }
+    return TemplateResponse(request, "fanout/admin/confirm_cancel.html", context)
 
 
 def _local(url: str) -> str:

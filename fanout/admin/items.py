@@ -276,6 +276,8 @@ class ItemClaimAdmin(FanoutAdmin):
 
     @admin.display(description="attempt", ordering="attempt")
     def attempts(self, item: ItemClaim) -> str:
+        if item.status == ItemStatus.CANCELLED and item.started_at is None:
+            return format_html('<span title="{}">-</span>', "cancelled before it ran")
         try:
             most = str(get_definition(item.run.definition).max_attempts)
         except FanoutError:

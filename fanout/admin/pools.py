@@ -20,7 +20,7 @@ from ..clock import db_now
 from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, SpendAccount
 from ..pools import settings_drift
 from ..text import plural
-from ..waiting import pool_state
+from ..waiting import PoolState, pool_state
 from .charts import pool_panels
 from .common import (
     LOCATIONS,
@@ -272,9 +272,8 @@ class CapacityPoolAdmin(FanoutAdmin):
     def state(self, pool: CapacityPool) -> str:
         reason = (page_facts(pool) or NO_ROW).reason
         css = "paused" if pool.paused else ("blocked" if reason else "admitting")
-        return format_html(
-            '<span class="fanout-badge fanout-pool-{}">{}</span>', css, reason or "admitting"
-        )
+        label = PoolState(pool.name, pool, 0, reason).label  # to the second
+        return format_html('<span class="fanout-badge fanout-pool-{}">{}</span>', css, label)
 
     @admin.display(description="in flight")
     def concurrency_gauge(self, pool: CapacityPool) -> str:

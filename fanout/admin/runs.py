@@ -39,6 +39,7 @@ from .common import (
     CANCELLABLE_RUNS,
     FanoutAdmin,
     action,
+    confirm_cancel,
     confirm_stranded,
     counter_drift_display,
     gauge,
@@ -71,8 +72,7 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "active": run.status in ACTIVE_RUN_STATUSES,
         "counts": progress.by_segment,
         "total": progress.total,
-        "done": progress.done,
-        "percent_done": round(progress.percent_done, 1),
+        **headline(progress),
         "segments": progress.segments(),
         "rate": human_rate(progress.rate()),
         "duration": human_duration(run.duration),
@@ -80,6 +80,15 @@ def progress_payload(progress: Progress) -> dict[str, Any]:
         "why": progress.why,
         "stalled": progress.stalled,
     }
+
+
+def headline(progress: Progress) -> dict[str, Any]:
+    """The run page's "N of M items done": cancelled items are counted apart, not as done (a
+    run cancelled with most of its items pending read "100.0%, 150 of 150 items done")."""
+    cancelled = progress.counts.get(ItemStatus.CANCELLED, 0)
+    done = progress.done - cancelled
+    percent = 100.0 * done / progress.total if progress.total else 0.0
+    return {"done": done, "cancelled": cancelled, "percent_done": round(percent, 1)}
 
 
 def key_part(run: BatchRun) -> str:
@@ -323,6 +332,7 @@ class BatchRunAdmin(FanoutAdmin):
             {
                 "progress": progress,
                 "counts": progress.by_segment,
+                "done": headline(progress)["done"],
                 "run": run,
                 "width": BAR_WIDTH,
                 "rate": human_rate(progress.rate()),
@@ -388,6 +398,7 @@ class BatchRunAdmin(FanoutAdmin):
             "bar_width": BAR_WIDTH,
             "rate": human_rate(progress.rate()),
             "duration": human_duration(run.duration),
+            "headline": headline(progress),
             "active": run.status in ACTIVE_RUN_STATUSES,
             "legend": _legend(run, counts),
             "join_result_json": json.dumps(run.join_result, indent=2),
@@ -424,8 +435,7 @@ class BatchRunAdmin(FanoutAdmin):
         if "redispatch_runs" in actions and run.status == RunStatus.RUNNING:
             buttons.append(("redispatch_runs", "Re-dispatch", ""))
         if "cancel_runs" in actions and run.status in CANCELLABLE_RUNS:
-            confirm = "Cancel this run? Its pending items are cancelled; running ones finish."
-            buttons.append(("cancel_runs", "Cancel run", confirm))
+            buttons.append(("cancel_runs", "Cancel run…", ""))  # a page asks to confirm
         compensable = get_definition_or_none(run.definition)
         if (
             "cancel_and_compensate_runs" in actions
@@ -433,8 +443,7 @@ class BatchRunAdmin(FanoutAdmin):
             and compensable is not None
             and compensable.compensate is not None
         ):
-            confirm = "Cancel this run and undo every item that succeeded?"
-            buttons.append(("cancel_and_compensate_runs", "Cancel and compensate", confirm))
+            buttons.append(("cancel_and_compensate_runs", "Cancel and compensate…", ""))
         if "retry_failed_compensations" in actions and run.status == "compensation_failed":
             buttons.append(("retry_failed_compensations", "Retry failed compensations", ""))
         return buttons
@@ -481,25 +490,38 @@ class BatchRunAdmin(FanoutAdmin):
         redispatch(self, request, runs)
 
     @action(description="Cancel run", permissions=["cancel"])
-    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> None:
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> Any:
         runs = list(queryset.filter(status__in=CANCELLABLE_RUNS))
-        cancelled_items = 0
+        if confirm := confirm_cancel(self, request, runs, "Cancel run"):
+            return confirm
+        cancelled_items = running = 0
         for run in runs:
             cancelled_items += actions.cancel_run(run)
             self.log_change(request, run, "Cancelled.")
+        if runs:
+            running = ItemClaim.objects.filter(
+                run__in=runs, status__in=(ItemStatus.RUNNING, ItemStatus.WAITING)
+            ).count()
+        stopping = (
+            f"{plural(running, 'running item')} {'is' if running == 1 else 'are'} stopping: "
+            "each finishes its current attempt."
+            if running
+            else "no item was running."
+        )
         self.message_user(
             request,
             f"Cancelled {plural(len(runs), 'run')}: {plural(cancelled_items, 'pending item')} "
-            "cancelled; running items finish.",
+            f"cancelled; {stopping}",
             messages.SUCCESS if runs else messages.WARNING,
         )
 
     @action(description="Cancel and compensate (undo what succeeded)", permissions=["cancel"])
-    def cancel_and_compensate_runs(
-        self, request: HttpRequest, queryset: QuerySet[BatchRun]
-    ) -> None:
+    def cancel_and_compensate_runs(self, request: HttpRequest, queryset: QuerySet[BatchRun]) -> Any:
+        runs = list(queryset.filter(status__in=CANCELLABLE_RUNS))
+        if confirm := confirm_cancel(self, request, runs, "Cancel and compensate", undo=True):
+            return confirm
         done, refused = [], []
-        for run in queryset.filter(status__in=CANCELLABLE_RUNS):
+        for run in runs:
             try:
                 actions.cancel_run(run, compensate=True)
             except FanoutError as exc:

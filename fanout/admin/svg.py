@@ -124,26 +124,56 @@ def bars(
     unit: str = "",
     slot_names: Sequence[str] = (),
     limit: float | None = None,
+    ceiling: tuple[float, str] | None = None,
+    limit_name: str = "limit",
+    marks: Sequence[tuple[int, int, str]] = (),
 ) -> SafeString:
-    """Bars stacked in the order of ``series``, one slot per value; ``limit`` draws a line."""
+    """Bars stacked in the order of ``series``, one slot per value; ``limit`` draws a dashed
+    line (its title ``limit_name``), ``ceiling`` (value, title) a dotted one: how far above
+    the limit a bar may rightly rise (a rate's burst)."""
     slots = max((len(s.values) for s in series), default=0)
     totals = [sum(s.values[i] or 0 for s in series) for i in range(slots)]
-    scale = _Scale(slots, max([*totals, limit or 0, 0]) or 1)
+    top = ceiling[0] if ceiling else 0
+    scale = _Scale(slots, max([*totals, limit or 0, top, 0]) or 1)
     names = [f" {n}" for n in slot_names] + [""] * slots
-    rects = [r for i in range(slots) for r in _stack(series, i, scale, names[i])]
-    if limit is not None:
+    # ``marks``: stretches of slots (first, end, title) shaded behind the bars.
+    rects = [_mark(first, end, title, scale) for first, end, title in marks]
+    rects += [r for i in range(slots) for r in _stack(series, i, scale, names[i])]
+    lines = [] if limit is None else [("limit", limit, limit_name)]
+    if ceiling is not None:
+        lines.append(("ceiling", ceiling[0], ceiling[1]))
+    for css, value, name in lines:
         rects.append(
             format_html(
-                '<line class="fanout-chart-limit" x1="{}" y1="{}" x2="{}" y2="{}">'
-                "<title>limit: {}</title></line>",
+                '<line class="fanout-chart-{}" x1="{}" y1="{}" x2="{}" y2="{}">'
+                "<title>{}: {}{}</title></line>",
+                css,
                 LEFT,
-                f"{scale.y(limit):.2f}",
+                f"{scale.y(value):.2f}",
                 WIDTH - RIGHT,
-                f"{scale.y(limit):.2f}",
-                number(limit),
+                f"{scale.y(value):.2f}",
+                name,
+                number(value),
+                unit,
             )
         )
     return _frame("".join(rects), label, scale.ymax, unit, ticks, slots)
+
+
+def _mark(first: int, end: int, title: str, scale: _Scale) -> str:
+    x, w = LEFT + first * scale.slot_w, (end - first) * scale.slot_w
+    return format_html(
+        '<rect class="fanout-chart-idle" x="{}" y="{}" width="{}" height="{}"><title>{}</title>'
+        '</rect><text class="fanout-chart-label" x="{}" y="{}" text-anchor="middle">{}</text>',
+        f"{x:.2f}",
+        TOP,
+        f"{w:.2f}",
+        PLOT_H,
+        title,
+        f"{x + w / 2:.2f}",
+        TOP + PLOT_H / 2,
+        "ended" if w >= 40 else "",
+    )
 
 
 def _stack(series: Sequence[Series], i: int, scale: _Scale, where: str) -> list[str]:

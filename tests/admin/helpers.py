@@ -153,11 +153,16 @@ def make_run(
     return run
 
 
-def action(client: Client, url: str, name: str, *pks: int, across: bool = False) -> Any:
-    """Run a changelist action on the rows ``pks`` (or, ``across``, on every row of ``url``)."""
+def action(
+    client: Client, url: str, name: str, *pks: int, across: bool = False, confirm: bool = False
+) -> Any:
+    """Run a changelist action on the rows ``pks`` (or, ``across``, on every row of ``url``);
+    ``confirm``: as its confirmation page posts it again."""
     data: dict[str, Any] = {"action": name, "index": 0, "_selected_action": [str(p) for p in pks]}
     if across:
         data["select_across"] = "1"
+    if confirm:
+        data["post"] = "yes"
     return client.post(url, data)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import timedelta
 
@@ -461,14 +462,43 @@ def test_retrying_items_of_an_inline_run_without_rq_asks_first(admin_client, set
     [
         ("worker-7.eu-west-1.internal:48211:fanout-drain-3", "worker-7 · 48211", "fanout-drain-3"),
         ("10.0.0.5:311:fanout-drain-1", "10.0.0.5 · 311", "fanout-drain-1"),
-        ("vm:3957:MainThread:inline-4", "vm · 3957", "MainThread · inline-4"),
+        # An inline worker's thread is named for its place among the run's threads.
+        ("vm:3957:MainThread:inline-4", "vm · 3957", "inline-4"),
     ],
 )
-def test_a_worker_in_a_list_is_its_hosts_first_label_and_process_over_its_thread(
+def test_a_worker_in_a_list_is_its_hosts_first_label_process_and_thread_on_one_line(
     owner, host, thread
 ):
+    """ "vm · 11010 / MainThread / · inline-2" took four lines of a list's row."""
     shown = worker_name(owner, short=True)
 
     assert f'title="{owner}"' in shown
-    assert f'<span class="fanout-host">{host}</span>' in shown
-    assert f'<span class="fanout-sub">{thread}</span>' in shown
+    assert (
+        f'<span class="fanout-host">{host}</span> · <span class="fanout-thread">{thread}</span>'
+        in shown
+    )
+    assert "fanout-sub" not in shown
+
+
+def test_an_item_cancelled_before_it_ran_shows_no_attempt(admin_client):
+    run = make_run({"succeeded": 1, "pending": 2})
+    ItemClaim.objects.filter(run=run, status="pending").update(
+        status="cancelled", finished_at=timezone.now(), error_class="Cancelled"
+    )
+
+    response = admin_client.get(reverse("admin:fanout_itemclaim_changelist") + f"?run={run.pk}")
+
+    cells = re.findall(r'<td class="field-attempts">(.*?)</td>', response.content.decode())
+    assert sorted(re.sub(r"<[^>]+>", "", c) for c in cells) == ["-", "-", "1/3"], cells
+
+
+def test_an_items_page_marks_every_empty_field_alike(admin_client):
+    """Its empty result read "—" beside "-" in the fields around it."""
+    run = make_run({"failed": 1}, status=RunStatus.FAILED)
+    item = ItemClaim.objects.get(run=run)
+
+    page = admin_client.get(reverse("admin:fanout_itemclaim_change", args=[item.pk]))
+
+    fields = page.content.decode().split('id="content-main"')[1]
+    assert "—" not in fields
+    assert re.search(r'<div class="readonly">-</div>', fields)

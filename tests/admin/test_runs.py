@@ -270,14 +270,50 @@ def test_cancel_run_cancels_pending_items_and_lets_running_ones_finish(admin_cli
     run = make_run({"succeeded": 1, "running": 2, "pending": 3})
     done = make_run({"succeeded": 1}, status=RunStatus.SUCCEEDED)
 
-    response = action(admin_client, CHANGELIST, "cancel_runs", run.pk, done.pk)
+    response = action(admin_client, CHANGELIST, "cancel_runs", run.pk, done.pk, confirm=True)
 
     assert statuses(run) == {"succeeded": 1, "running": 2, "cancelled": 3}
     assert BatchRun.objects.get(pk=run.pk).status == RunStatus.CANCELLED
     assert BatchRun.objects.get(pk=done.pk).status == RunStatus.SUCCEEDED
-    assert "Cancelled 1 run: 3 pending items cancelled; running items finish." in messages_of(
-        response
+    assert (
+        "Cancelled 1 run: 3 pending items cancelled; 2 running items are stopping: each "
+        "finishes its current attempt." in messages_of(response)
     )
+    page = admin_client.get(change_url(run)).content.decode()
+    assert "2 running items are stopping" in re.sub(r"\s+", " ", page)
+
+
+def test_cancel_asks_to_confirm_on_a_page_of_its_own_before_anything_changes(admin_client):
+    run = make_run({"succeeded": 1, "running": 2, "pending": 3})
+
+    asked = action(admin_client, CHANGELIST, "cancel_runs", run.pk)
+
+    assert asked.status_code == 200
+    assert asked.templates[0].name == "fanout/admin/confirm_cancel.html"
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", asked.content.decode()))
+    assert (
+        f"run #{run.pk} (admin-console): 3 pending items cancelled; 2 running items finish "
+        "their current attempts and stop." in text
+    ), text
+    assert statuses(run) == {"succeeded": 1, "running": 2, "pending": 3}
+    assert BatchRun.objects.get(pk=run.pk).status == RunStatus.RUNNING
+    # Its form posts the same action again, confirmed.
+    form = asked.content.decode().split('<form method="post">')[1]
+    assert 'name="action" value="cancel_runs"' in form and 'name="post" value="yes"' in form
+
+
+def test_the_run_pages_cancel_button_asks_first_and_comes_back_to_the_run(admin_client):
+    run = make_run({"pending": 2})
+
+    asked = page_action(admin_client, change_url(run), "cancel_runs", run.pk)
+    assert asked.status_code == 200 and statuses(run) == {"pending": 2}
+    repost = dict(re.findall(r'name="([^"]+)" value="([^"]*)"', asked.content.decode()))
+    repost.pop("csrfmiddlewaretoken", None)
+    target = admin_client.get(change_url(run)).context.get("action_url") or change_url(run)
+    done = admin_client.post(target, repost)
+
+    assert done.status_code == 302 and done.url == change_url(run)
+    assert statuses(run) == {"cancelled": 2}
 
 
 @pytest.fixture
@@ -417,6 +453,9 @@ def test_a_run_action_posted_without_its_permission_changes_nothing(operator, na
     # Once with no action at all, once holding a different one.
     for client in (operator(), operator(other)):
         response = action(client, CHANGELIST, name, run.pk)
+        assert response.status_code in (200, 302, 403)
+        assert b'name="post" value="yes"' not in response.content  # no confirmation page
+        response = action(client, CHANGELIST, name, run.pk, confirm=True)
         assert response.status_code in (200, 302, 403)
         page = page_action(client, change_url(run), name, run.pk)
         assert page.status_code in (200, 302, 403)
@@ -667,3 +706,40 @@ def test_the_run_pages_retry_of_an_inline_run_without_rq_asks_first_then_comes_b
 
     assert response.status_code == 302 and response.url == change_url(run)
     assert statuses(run) == {"succeeded": 1, "pending": 2}
+
+
+def test_a_cancelled_runs_page_counts_what_ran_apart_from_what_was_cancelled(admin_client):
+    run = make_run({"succeeded": 72, "pending": 78})
+    action(admin_client, CHANGELIST, "cancel_runs", run.pk, confirm=True)
+    assert statuses(run) == {"succeeded": 72, "cancelled": 78}
+
+    page = admin_client.get(change_url(run))
+    html = page.content.decode()
+
+    throughput = next(c for c in page.context["charts"] if c["name"] == "throughput")
+    assert throughput["note"].startswith("72 finished, 0 failed"), throughput["note"]
+    headline = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", html.split('class="fanout-headline"')[1]))
+    assert "48.0% 72 of 150 items done, 78 cancelled" in headline, headline[:200]
+    join = html.split("<h2>Join</h2>")[1].split("</section>")[0]
+    assert "The join returned nothing" not in join and "Join runs" not in join
+    assert "Not joined: the run was cancelled" in join
+    data = json.loads(admin_client.get(progress_url(run)).content)
+    assert (data["done"], data["cancelled"], data["percent_done"]) == (72, 78, 48.0)
+
+
+def test_a_rate_limited_pool_on_the_run_page_says_until_when_to_the_second(admin_client):
+    CapacityPool.objects.create(
+        name="limited",
+        max_concurrency=10,
+        rate_count=1,
+        rate_period=60,
+        tokens=0.0,
+        tokens_at=timezone.now(),
+    )
+    run = make_run({"pending": 2}, pool="limited")
+
+    html = admin_client.get(change_url(run)).content.decode()
+
+    pools = html.split("<h2>Pools</h2>")[1].split("</section>")[0]
+    badge = re.search(r'class="fanout-badge fanout-pool-blocked[^"]*">([^<]*)<', pools)
+    assert badge and re.fullmatch(r"rate limited until \d\d:\d\d:\d\d", badge.group(1)), pools

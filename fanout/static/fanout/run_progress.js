@@ -42,6 +42,10 @@
         setText(panel, "percent_done", data.percent_done.toFixed(1));
         setText(panel, "done", number.format(data.done));
         setText(panel, "total", number.format(data.total));
+        setText(panel, "cancelled", number.format(data.cancelled));
+        for (const el of panel.querySelectorAll('[data-field="cancelled_note"]')) {
+            el.hidden = !data.cancelled;
+        }
         setText(panel, "rate", data.rate || "–");
         setText(panel, "duration", data.duration || "not started");
         setText(panel, "status_label", data.status_label);
