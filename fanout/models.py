@@ -324,6 +324,8 @@ class RunSample(models.Model):
     pool_full = models.PositiveIntegerField(default=0)  # due, their pool has no free slot
     rate_limited = models.PositiveIntegerField(default=0)  # due, their pool's rate holds them
     throttled = models.PositiveIntegerField(default=0)  # due, their pool backs off (Throttled)
+    # Due, a budget holds them: their pool's is spent, or their run's (max_spend).
+    budget = models.PositiveIntegerField(default=0, db_default=0)
     paused = models.PositiveIntegerField(default=0)  # due, their pool is paused or missing
     child_runs = models.PositiveIntegerField(default=0)  # handed to a child run (Item.spawn)
     # The items that ended in a window of the run's life: (the previous sample's upto, upto].

@@ -25,6 +25,7 @@ from .conf import conf
 from .definition import get_definition
 from .errors import FanoutError
 from .models import BatchRun, ItemClaim, ItemStatus, RunSample, RunStatus
+from .spend import run_hold
 from .tally import Ended, ended
 from .waiting import PoolState, pool_states
 
@@ -36,6 +37,7 @@ WAITS = (
     "pool_full",
     "rate_limited",
     "throttled",
+    "budget",
     "paused",
     "retry_due",
     "child_runs",
@@ -121,18 +123,24 @@ def tally(sample: RunSample, run: BatchRun, since: datetime | None, upto: dateti
 
 
 def measure(run: BatchRun, now: datetime) -> RunSample:
-    """What the run's unfinished items are doing at ``now``, in two queries (and the pools')."""
+    """What the run's unfinished items are doing at ``now``, in two queries (and the pools',
+    and the run's budget's when it has due items that no pool holds)."""
     by_pool = _unfinished_by_pool(run, now)
     states = pool_states(list(by_pool), now)
     sample = RunSample(run_id=run.pk, at=now)
     # What holds the run's slots: a claimable item beyond them waits for max_parallel.
     held = sum(r["running"] + r["children"] for r in by_pool.values())
     at_limit = held >= run.max_parallel
+    spent: bool | None = None  # the run's own budget holds its due items: read when needed
     for name, r in by_pool.items():
         sample.running += r["running"]
         sample.retry_due += r["later"]
         sample.child_runs += r["children"]
         field = _waits_on(states.get(name), at_limit)
+        if field == "ready" and r["due"]:
+            # The claim asks the run's budget after its max_parallel, before it admits one.
+            spent = bool(run_hold(run.pk, now)) if spent is None else spent
+            field = "budget" if spent else field
         setattr(sample, field, getattr(sample, field) + r["due"])
     return sample
 
@@ -167,4 +175,6 @@ def _waits_on(state: PoolState | None, at_limit: bool) -> str:
         return "pool_full"
     if reason.startswith("throttled"):
         return "throttled"
+    if reason.startswith("budget"):  # fanout.cost.describe: the pool's budget is spent
+        return "budget"
     return "rate_limited"

@@ -32,7 +32,15 @@ from fanout.charts import (
     run_axis,
     run_charts,
 )
-from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunSample, RunStatus
+from fanout.models import (
+    BatchRun,
+    CapacityPool,
+    ItemClaim,
+    ItemStatus,
+    RunSample,
+    RunStatus,
+    SpendAccount,
+)
 from fanout.prune import prune_tree
 from fanout.sample import WAITS, measure, sample_run
 from fanout.supervise import tend
@@ -237,12 +245,46 @@ def test_a_sample_counts_what_each_unfinished_item_waits_on() -> None:
         "pool_full": 4,
         "rate_limited": 3,
         "throttled": 2,
+        "budget": 0,
         "paused": 5 + 1,
         "retry_due": 7,
         "child_runs": 3,
     }
     run.max_parallel = 6  # 3 running and 3 in child runs hold every slot
     assert measure(run, now).max_parallel == 7 and measure(run, now).ready == 0
+
+
+def test_a_sample_counts_items_a_budget_holds_as_budget_not_rate() -> None:
+    """A pool whose budget is spent, and a run whose own budget is spent, hold their due items
+    for the budget: neither is the pool's rate."""
+    now = whole(timezone.now())
+    CapacityPool.objects.create(name="charts-spent", max_concurrency=50)
+    SpendAccount.objects.create(pool="charts-spent", unit="usd", budget=1.0, spent=1.0)
+    CapacityPool.objects.create(
+        name="charts-rate", rate_count=1, rate_period=60, tokens=0, tokens_at=now
+    )
+    pooled = new_run(RunStatus.RUNNING, max_parallel=100)
+    capped = new_run(RunStatus.RUNNING, max_parallel=100)
+    SpendAccount.objects.create(run=capped, unit="usd", budget=2.0, spent=2.0)
+    due = now - timedelta(seconds=1)
+    shape = [
+        (pooled, "charts-spent", 4),
+        (pooled, "charts-rate", 3),
+        (pooled, "", 2),
+        (capped, "", 5),
+        (capped, "charts-rate", 1),
+    ]
+    rows = []
+    for run, pool, n in shape:
+        for _ in range(n):
+            i = len(rows)
+            rows.append(ItemClaim(run=run, key=f"k{i}", index=i, pool=pool, next_attempt_at=due))
+    ItemClaim.objects.bulk_create(rows)
+
+    first, second = measure(pooled, now), measure(capped, now)
+
+    assert (first.budget, first.rate_limited, first.ready) == (4, 3, 2)
+    assert (second.budget, second.rate_limited, second.ready) == (5, 1, 0)
 
 
 def test_a_run_is_sampled_at_most_once_per_period_and_only_while_it_runs(settings: Any) -> None:

@@ -29,6 +29,7 @@ WAIT_NAMES = {
     "pool_full": "pool full",
     "rate_limited": "rate limited",
     "throttled": "throttled",
+    "budget": "budget spent",
     "paused": "pool paused or missing",
     "retry_due": "retry not yet due",
     "child_runs": "in a child run",
