@@ -1971,6 +1971,7 @@ def report_consecutive(res: dict[str, Any]) -> list[str]:
 
 CHART_LIFE = 3000  # seconds: the run ends now and began 50 minutes ago, so the pool's hour has it
 CHART_POOL = "bench-charts"
+POOL_HOUR = 3600  # seconds: the pool page's last hour
 
 
 def chart_items_insert(n: int) -> str:
@@ -2008,14 +2009,14 @@ def chart_items_insert(n: int) -> str:
 
 def chart_run(n: int) -> tuple[int, int]:
     """A finished run of n items (and a sample every 10 s of its waits and of the items that
-    ended), and its pool."""
+    ended), and its pool (with a sample every 10 s of its admissions)."""
     from datetime import timedelta
 
     from django.db import connection
     from django.utils import timezone
 
-    from fanout.models import BatchRun, CapacityPool, RunSample
-    from fanout.sample import tally
+    from fanout.models import BatchRun, CapacityPool, PoolSample, RunSample
+    from fanout.sample import admitted, tally
 
     now = timezone.now()
     start = now - timedelta(seconds=CHART_LIFE)
@@ -2057,6 +2058,25 @@ def chart_run(n: int) -> tuple[int, int]:
         samples.append(sample)
         since = sample.upto
     RunSample.objects.bulk_create(samples)
+    # As the supervisor samples the pool: a window every 10 s since before the pool page's
+    # hour, each counting the items claimed in it (fanout.sample.admitted, the same query).
+    windows, since = [], None
+    for s in range(-POOL_HOUR - 60, 1, 10):
+        at = now + timedelta(seconds=s)
+        upto = at - timedelta(seconds=10)
+        since = since or upto - timedelta(seconds=10)
+        windows.append(
+            PoolSample(
+                pool=pool,
+                at=at,
+                in_flight=40 + s % 24,
+                since=since,
+                upto=upto,
+                admitted=admitted(pool.name, since, upto),
+            )
+        )
+        since = upto
+    PoolSample.objects.bulk_create(windows)
     analyze()
     return run.pk, pool.pk
 

@@ -37,13 +37,14 @@ from fanout.models import (
     CapacityPool,
     ItemClaim,
     ItemStatus,
+    PoolSample,
     RunSample,
     RunStatus,
     SpendAccount,
 )
 from fanout.prune import prune_tree
-from fanout.sample import WAITS, measure, sample_run
-from fanout.supervise import tend
+from fanout.sample import WAITS, measure, sample_pool, sample_run
+from fanout.supervise import sweep, tend
 from fanout.tally import ended
 
 pytestmark = pytest.mark.django_db
@@ -56,7 +57,11 @@ pytestmark = pytest.mark.django_db
 PLAN = 1 if connection.vendor == "postgresql" else 0
 RUN_CHART_QUERIES = 4 + PLAN
 SAMPLED_RUN_CHART_QUERIES = 3 + PLAN
-POOL_CHART_QUERIES = 1 + PLAN
+# A pool's last hour: its samples, and when they do not reach back to the hour's start (no
+# supervisor sampled it then), one pass over its items; when they do, the items it admitted
+# after the last sample and its items running now, whatever it ran in the hour.
+POOL_CHART_QUERIES = 2 + PLAN
+SAMPLED_POOL_CHART_QUERIES = 3
 
 
 def whole(t: datetime) -> datetime:
@@ -365,11 +370,8 @@ def test_a_trees_child_runs_are_listed_first_started_first() -> None:
     assert {c["definition"] for c in children} == {"charts-child"}
 
 
-def test_a_pools_last_hour_matches_its_rows_in_one_query(
-    django_assert_num_queries: Any,
-) -> None:
-    now = whole(timezone.now())
-    CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+def pool_items(now: datetime, pool: str = "charts-pool") -> list[ItemClaim]:
+    """400 items of the pool claimed over the last 90 minutes, most ended, some running."""
     run = new_run(minutes=90)
     rng = random.Random(3)
     rows = []
@@ -384,7 +386,7 @@ def test_a_pools_last_hour_matches_its_rows_in_one_query(
                 run=run,
                 key=f"p{i}",
                 index=i,
-                pool="charts-pool",
+                pool=pool,
                 status=ItemStatus.SUCCEEDED if finished else ItemStatus.RUNNING,
                 claimed_at=whole(claimed),
                 started_at=whole(claimed),
@@ -396,24 +398,116 @@ def test_a_pools_last_hour_matches_its_rows_in_one_query(
     ItemClaim.objects.create(
         run=run, key="other", index=999, pool="x", claimed_at=now, status=ItemStatus.RUNNING
     )
+    return rows
+
+
+def admissions(rows: list[ItemClaim], axis: TimeAxis, now: datetime) -> list[int]:
+    """The items claimed in each bucket of the axis, counted from the rows."""
+    admitted = Counter(
+        min(int((r.claimed_at - axis.start) / axis.step), axis.count - 1)
+        for r in rows
+        if r.claimed_at and axis.start <= r.claimed_at <= now
+    )
+    return [admitted[b] for b in range(axis.count)]
+
+
+def test_an_unsampled_pools_last_hour_matches_its_rows_in_a_named_number_of_queries(
+    django_assert_num_queries: Any,
+) -> None:
+    now = whole(timezone.now())
+    CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    rows = pool_items(now)
 
     with django_assert_num_queries(POOL_CHART_QUERIES):
         charts = pool_charts("charts-pool", now)
 
     axis = charts.axis
     assert axis.count == 60 and axis.step == timedelta(minutes=1)
-    admitted = Counter(
-        min(int((r.claimed_at - axis.start) / axis.step), axis.count - 1)
-        for r in rows
-        if axis.start <= r.claimed_at <= now
-    )
-    assert charts.admitted == [admitted[b] for b in range(axis.count)]
+    assert not charts.sampled
+    assert charts.admitted == admissions(rows, axis, now)
     ends = [t + axis.step for t in axis.times()]
     ends[-1] = now
     assert charts.in_flight == [
         sum(1 for r in rows if r.claimed_at < t and (r.finished_at is None or r.finished_at >= t))
         for t in ends
     ]
+
+
+def test_a_sampled_pools_last_hour_matches_its_rows_in_a_named_number_of_queries(
+    settings: Any, django_assert_num_queries: Any
+) -> None:
+    """Sampled every 10 s over the hour as the supervisor samples it, the pool's admissions
+    are its rows', bucket by bucket, without reading the items its samples counted."""
+    settings.FANOUT_SAMPLE_SECONDS = 10
+    now = whole(timezone.now())
+    pool = CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    rows = pool_items(now)
+    for back in range(3600, -1, -10):
+        assert sample_pool(pool, now - timedelta(seconds=back)) is not None
+    samples = list(PoolSample.objects.filter(pool=pool).order_by("at"))
+    assert all(a.upto == b.since for a, b in zip(samples, samples[1:], strict=False))
+    running = sum(1 for r in rows if r.status == ItemStatus.RUNNING)
+    assert {s.in_flight for s in samples} == {running}  # this pool's, not pool x's
+
+    with django_assert_num_queries(SAMPLED_POOL_CHART_QUERIES):
+        charts = pool_charts("charts-pool", now)
+
+    assert charts.sampled
+    assert charts.admitted == admissions(rows, charts.axis, now)
+    assert charts.in_flight == [running] * charts.axis.count
+    PoolSample.objects.all().delete()
+    assert pool_charts("charts-pool", now).admitted == charts.admitted  # read from the items
+
+
+def test_a_pools_in_flight_is_its_last_sample_in_each_bucket_and_its_running_items_now() -> None:
+    now = whole(timezone.now())
+    pool = CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    run = new_run(RunStatus.RUNNING)
+    ItemClaim.objects.create(run=run, key="a", index=0, pool="charts-pool", status="running")
+    start = now - timedelta(hours=1)
+    # A sample every 20 s for the first half hour, then none: nobody sampled the pool.
+    PoolSample.objects.bulk_create(
+        PoolSample(
+            pool=pool,
+            at=start + timedelta(seconds=s),
+            in_flight=s // 20,
+            since=start + timedelta(seconds=s - 30),
+            upto=start + timedelta(seconds=s - 10),
+        )
+        for s in range(0, 1800, 20)
+    )
+
+    charts = pool_charts("charts-pool", now)
+
+    assert charts.in_flight[:30] == [(60 * b + 40) // 20 for b in range(30)]
+    assert charts.in_flight[30:-1] == [None] * 29
+    assert charts.in_flight[-1] == 1
+
+
+def test_a_pool_is_sampled_at_most_once_per_period_and_keeps_two_hours(settings: Any) -> None:
+    settings.FANOUT_SAMPLE_SECONDS = 10
+    now = whole(timezone.now())
+    pool = CapacityPool.objects.create(name="charts-pool")
+    old = PoolSample.objects.create(
+        pool=pool, at=now - timedelta(hours=3), since=now - timedelta(hours=4), upto=now
+    )
+    PoolSample.objects.filter(pk=old.pk).update(upto=now - timedelta(hours=3, seconds=10))
+
+    first = sample_pool(pool, now)
+    assert first is not None and first.since == now - timedelta(hours=1, seconds=10)
+    assert sample_pool(pool, now + timedelta(seconds=9)) is None
+    second = sample_pool(pool, now + timedelta(seconds=11))
+    assert second is not None and second.since == first.upto
+    assert list(PoolSample.objects.order_by("at")) == [first, second]
+
+
+def test_the_supervisor_elected_to_audit_a_pool_samples_it() -> None:
+    pool = CapacityPool.objects.create(name="charts-pool")
+
+    sweep()
+    sweep()  # the pool is audited by one supervisor per period: not taken again
+
+    assert PoolSample.objects.filter(pool=pool).count() == 1
 
 
 def test_a_pruned_run_takes_its_samples_with_it() -> None:
