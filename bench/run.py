@@ -2259,26 +2259,35 @@ def claims_summary(loops: list[dict[str, Any]]) -> dict[str, Any]:
 def prune_beside(cfg: argparse.Namespace, batch: int, pause: float, logdir: Path) -> dict[str, Any]:
     """Fill cfg.retention_rows finished item rows, then prune them with ``manage.py
     fanout_prune`` in a subprocess while the claim loop drains a run beside it. The loop runs
-    alone first, after the fill has settled (its rows vacuumed, a checkpoint), so that what
-    the fill leaves to do is not counted against the prune."""
+    alone too, in turns with the loop beside the prune: the prune is stopped (SIGSTOP) between
+    two of its transactions while the loop runs alone, so that the two are measured under the
+    same load of a shared machine. The fill has settled first (its rows vacuumed, a
+    checkpoint): what it leaves to do is not counted against the prune."""
     add_terminal_rows(cfg.retention_rows)
     settle()
-    before = claim_loop(cfg.retention_alone)
     log_path = logdir / f"prune-{batch}-{pause:g}.log"
     cmd = [sys.executable, "manage.py", "fanout_prune", "--older-than", "0s", "--batch", str(batch)]
     cmd += ["--pause", f"{pause:g}", "--json"]
     t0 = time.monotonic()
     proc = spawn(cmd, log_path)
-    loops = []
+    loops, alone, stopped = [], [], 0.0
     try:
         while proc.poll() is None:
             loops.append(claim_loop(cfg.retention_chunk, warmup=2))
+            t_stop = time.monotonic()
+            if not freeze(proc):
+                break  # it ended
+            try:
+                alone.append(claim_loop(cfg.retention_chunk, warmup=2))
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+                stopped += time.monotonic() - t_stop
         proc.wait()
     finally:
         _stop_process(proc)
         if proc in _children:
             _children.remove(proc)
-    seconds = time.monotonic() - t0
+    seconds = time.monotonic() - t0 - stopped
     if proc.returncode != 0 or not loops:
         raise RuntimeError(f"fanout_prune exited {proc.returncode}: {log_path.read_text()[-800:]}")
     report = json.loads(log_path.read_text().strip().splitlines()[-1])
@@ -2289,8 +2298,41 @@ def prune_beside(cfg: argparse.Namespace, batch: int, pause: float, logdir: Path
         "prune_s": seconds,
         "rows_per_s": report["items"] / seconds,
         **claims_summary(loops),
-        "before": before,
+        "interleaved": alone,
     }
+
+
+def freeze(proc: subprocess.Popen) -> bool:
+    """Stop the prune while it rests between two transactions (a stopped transaction would
+    hold its locks); False if it ended first."""
+    while proc.poll() is None:
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.05)  # a statement it sent just before has begun by now
+        if not prune_in_transaction():
+            return True
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.02)
+    return False
+
+
+def prune_in_transaction() -> bool:
+    """Whether another connection to the bench database (the prune's) is in a transaction."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        if is_mariadb():
+            cur.execute(
+                "SELECT count(*) FROM information_schema.innodb_trx t "
+                "JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id "
+                "WHERE p.db = DATABASE() AND p.id <> CONNECTION_ID()"
+            )
+        else:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend' "
+                "AND state <> 'idle'"
+            )
+        return bool(cur.fetchone()[0])
 
 
 def settle() -> None:
@@ -2311,14 +2353,14 @@ def settle() -> None:
 def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     """A prune of cfg.retention_rows finished item rows beside a per-item run: its rows per
     second, and the run's throughput and claim p99 against the same loop with no prune
-    beside it, measured just before (the rows written) and just after (the load of a shared
-    machine drifts)."""
+    beside it, measured in turns with it (the load of a shared machine drifts)."""
     reset_tables()
     out: dict[str, Any] = {"rows": cfg.retention_rows, "pruned": []}
     tries = [(b, p) for b in cfg.retention_batches for p in cfg.retention_pauses]
     for batch, pause in tries:
         beside = retry_db("retention", partial(prune_beside, cfg, batch, pause, logdir))
-        base = claims_summary([beside.pop("before"), claim_loop(cfg.retention_alone)])
+        # A prune that ended before the loop had its turn alone: alone just after it.
+        base = claims_summary(beside.pop("interleaved") or [claim_loop(cfg.retention_alone)])
         beside["p99_ratio"] = beside["p99_ms"] / base["p99_ms"]
         beside["throughput_ratio"] = base["items_per_s"] / beside["items_per_s"]
         beside["alone"] = base
@@ -2341,7 +2383,7 @@ def report_retention(res: dict[str, Any]) -> list[str]:
         return []
     lines = [
         f"9. fanout_prune of {rt['rows']:,} finished item rows beside a per-item run "
-        "(one claimer), against the same run alone just before and after",
+        "(one claimer), against the same run alone in turns with it (the prune stopped)",
         f"{'batch':>7}{'pause':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}"
         f"{'claim p99 beside':>18}"
         f"{'alone':>8}{'p99 ratio':>11}{'slowdown':>10}",
