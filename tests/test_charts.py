@@ -546,6 +546,32 @@ def test_the_run_page_and_the_pool_page_draw_their_charts(admin_client: Any) -> 
     assert "fanout-chart-limit" in pool_html  # max_concurrency drawn as a line
 
 
+def test_a_sampled_pools_page_draws_its_hour_with_the_minutes_nobody_sampled_left_blank(
+    admin_client: Any,
+) -> None:
+    pool = CapacityPool.objects.create(name="charts-page", max_concurrency=4, rate_count=10)
+    now = whole(timezone.now())
+    start = now - timedelta(hours=1, seconds=30)
+    PoolSample.objects.bulk_create(  # the first half hour sampled, then nobody sampled it
+        PoolSample(
+            pool=pool,
+            at=start + timedelta(seconds=s + 10),
+            in_flight=s % 5,
+            since=start + timedelta(seconds=s - 10),
+            upto=start + timedelta(seconds=s),
+            admitted=s % 7,
+        )
+        for s in range(0, 1800, 20)
+    )
+
+    page = admin_client.get(reverse("admin:fanout_capacitypool_change", args=[pool.pk]))
+
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'data-chart="pool-in-flight"' in html and 'data-chart="pool-admitted"' in html
+    assert "last sample in each minute" in html
+
+
 def ended_at_odd_times(run: BatchRun, n: int, seed: int = 5) -> list[ItemClaim]:
     """finished_items, none of them ending on a whole 10 s (the axis's and windows' edges)."""
     items = finished_items(run, n, seed)
