@@ -19,7 +19,8 @@ PYTEST_ARGS ?=
 # What must hold on MariaDB as on PostgreSQL: racing parents and workers run every item once,
 # a SIGKILLed owner's item is reclaimed, limits stay exact across processes, and the model of
 # transitions (tests/test_model.py) holds every invariant there too, and the run page's counts
-# read one index (tests/test_progress_plans.py).
+# read one index (tests/test_progress_plans.py); the spending hand-over procedure settles, refuses
+# and rolls budget periods as PostgreSQL's function does, in the claims' lock order (tests/spend).
 RACING_TESTS := tests/test_model.py tests/test_processes.py tests/pools/test_concurrency.py tests/rq/test_workers.py \
 	tests/test_slots.py tests/test_clock_skew.py tests/test_host_limit.py \
 	tests/rq/test_supervision.py tests/test_nesting.py tests/test_compensation.py \
@@ -27,7 +28,9 @@ RACING_TESTS := tests/test_model.py tests/test_processes.py tests/pools/test_con
 	tests/test_retry_race.py tests/test_host_lock.py tests/test_model_findings.py \
 	tests/test_counters.py tests/pools/test_rate_overspend.py tests/test_hand_over.py \
 	tests/rq/test_stuck_runs.py tests/test_prune.py tests/test_results.py \
-	tests/test_admission_agreement.py tests/test_progress_plans.py
+	tests/test_admission_agreement.py tests/test_progress_plans.py \
+	tests/spend/test_hand_over.py tests/spend/test_review_periods.py tests/spend/test_gate_clock.py \
+	tests/spend/test_lock_order.py
 
 .PHONY: venv demo demo-llm test test-mariadb matrix docs lint clean
 

@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,7 @@ from .pools import (
     share_of,
     waiting_runs,
 )
-from .spend import Gate
+from .spend import Gate, settled_here
 from .transitions import ClaimedItem
 
 if TYPE_CHECKING:
@@ -81,8 +81,6 @@ class ClaimResult:
     before: Any = None
     # Compensations: the result of each claimed item, which its compensation undoes.
     results: dict[int, Any] = field(default_factory=dict)
-    # Seconds until a budget period of the claimed items' pools ends (fanout.spend).
-    budget_rolls_in: float | None = None
 
     @property
     def run_open(self) -> bool:
@@ -178,9 +176,10 @@ def _claim(
 ) -> ClaimResult:
     with transaction.atomic():
         # The outcomes' run slots are given back by the statement that locks the run.
-        with transitions.slots_freed(run_id) as freed:
+        with transitions.slots_freed(run_id) as freed, settled_here() as settled:
             done = before() if before is not None else None
-        run = lock_run(run_id, freed[run_id])
+        run = lock_run(run_id, freed.slots[run_id])
+        freed.settle()  # their spend, on the run's budget: after the run's row
         if run is None:
             result = ClaimResult(None, run_status="deleted", reason="run deleted")
         elif run["status"] != RunStatus.RUNNING:
@@ -196,6 +195,7 @@ def _claim(
                 static_pool,
                 before is not None,
                 spend,
+                settled,
             )
             if host_limit is not None:
                 taking.limit_host(*host_limit)
@@ -236,6 +236,7 @@ class _Claim:
         static_pool: str | None,
         recorded: bool = False,
         spend: bool = False,
+        settled: Mapping[tuple[str, str], float] | None = None,
     ) -> None:
         self.run_id = run_id
         # Outcomes recorded first in this transaction hold pool locks out of name order, so
@@ -259,7 +260,8 @@ class _Claim:
         self.host_room: int | None = None  # new items this host may still run (host limit)
         self.host_reason = ""
         # Budgets to reserve estimates against (fanout.spend), locked after the run's row.
-        self.gate = Gate.open(run_id, self.now) if spend else None
+        # ``settled``: what the batch recorded first in this transaction spent on pools' budgets.
+        self.gate = Gate.open(run_id, self.now, settled) if spend else None
         self.fields = _SPEND_FIELDS if spend else _FIELDS
 
     def limit_host(self, definition: str, most: int) -> None:
@@ -352,7 +354,7 @@ class _Claim:
             # the clock only moves forward, so what was decided before stays conservative.
             self.now = max(self.now, db_now())
         by_run = _pool_runs(list(locked))
-        busy = self.gate.open_pools(list(locked), skip_locked) if self.gate else set()
+        busy = self.gate.open_pools(list(locked), skip_locked, self.now) if self.gate else set()
         for name in names:
             pool = locked.get(name)
             if pool is None:
@@ -490,7 +492,6 @@ class _Claim:
             transitions.start(self.run_id, self.fresh, *args)
         if self.gate is not None:
             self.gate.apply(self.fresh, self.reclaimed, self.lost)
-            result.budget_rolls_in = self.gate.rolls_in()
         self._save_pools(admitted)
         admitted.sort(key=lambda c: c["index"])
         result.items = [

@@ -13,12 +13,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Q
-from django.utils import timezone
 
+from .clock import db_now
 from .models import TERMINAL_RUN_STATUSES, BatchRun, ItemClaim, ItemStatus
 from .nest import descendants
 from .report import Progress, progress_of
-from .text import human_duration, human_rate, last_line
+from .text import human_duration, human_rate, last_line, without_class
 
 FAILURES_SHOWN = 5
 
@@ -43,6 +43,8 @@ class RunLine:
     stalled: bool
     parent_run: int | None = None
     depth: int = 0
+    # The pool whose rate sets the ETA (its pending items come no faster), or "".
+    paced_by: str = ""
 
 
 @dataclass
@@ -55,9 +57,8 @@ class RunDetail:
 
 def _line(p: Progress, depth: int = 0) -> RunLine:
     run, rate = p.run, p.rate()
-    left = max(p.total - p.done, 0)
     open_ = run.status not in TERMINAL_RUN_STATUSES
-    eta = left / rate if open_ and rate and left else None
+    eta, paced_by = p.eta(rate)
     parent = run.parent_item.run_id if run.parent_item_id and run.parent_item else None
     return RunLine(
         id=run.pk,
@@ -74,12 +75,13 @@ def _line(p: Progress, depth: int = 0) -> RunLine:
         stalled=p.stalled,
         parent_run=parent,
         depth=depth,
+        paced_by=paced_by,
     )
 
 
 def runs_now(since: timedelta, limit: int, now: datetime | None = None) -> list[RunLine]:
     """Open runs, then runs finished within ``since``, newest first; ``limit`` in all."""
-    now = now or timezone.now()
+    now = now or db_now()
     runs = list(
         BatchRun.objects.filter(
             ~Q(status__in=TERMINAL_RUN_STATUSES) | Q(finished_at__gte=now - since)
@@ -94,7 +96,7 @@ def runs_now(since: timedelta, limit: int, now: datetime | None = None) -> list[
 
 def run_detail(run_id: int, now: datetime | None = None) -> RunDetail | None:
     """One run close up: its tree, the pools it uses and its latest failures."""
-    now = now or timezone.now()
+    now = now or db_now()
     run = BatchRun.objects.select_related("parent_item").filter(pk=run_id).first()
     if run is None:
         return None
@@ -156,6 +158,8 @@ def _reasons(line: RunLine) -> list[str]:
     """What holds the run up, the binding reason first, each whole."""
     out = [line.why] if line.why else []
     out += [f"{n:,} waiting: {reason}" for reason, n in line.waiting.items()]
+    if line.paced_by:
+        out.append(f"ETA paced by pool {line.paced_by}: its rate admits the pending items")
     return out
 
 
@@ -187,7 +191,8 @@ def render_detail(detail: RunDetail, width: int | None) -> list[str]:
     if detail.failures:
         out.append("latest failures:")
         for f in detail.failures:
-            text = f"  {f['key']} (attempt {f['attempt']}): {f['error_class']}: {f['error']}"
+            error = without_class(f["error"], f["error_class"])
+            text = f"  {f['key']} (attempt {f['attempt']}): {f['error_class']}: {error}"
             out += _wrapped(text, width, 4)
     return out
 

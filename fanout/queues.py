@@ -109,7 +109,8 @@ def enqueue_slot(queue: Any, run_id: int, slot: int) -> int:
             timeout=-1,
             result_ttl=300,
             failure_ttl=86400,
-            description=f"fanout: drain run {run_id} (slot {slot})",
+            # RQ's log line puts the queue's name ("fanout:") before it.
+            description=f"drain run {run_id} (slot {slot})",
         )
         taken.append(job_id)
 

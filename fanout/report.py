@@ -13,8 +13,8 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import Count, Min, Q, QuerySet
-from django.utils import timezone
 
+from .clock import db_now
 from .models import BatchRun, ItemClaim, ItemStatus
 from .nest import descendants
 from .spend import run_report
@@ -93,6 +93,10 @@ class Progress:
     # Not items in status "waiting", which wait on a child run.
     held_back: dict[str, int] = field(default_factory=dict)
     pool_items: dict[str, int] = field(default_factory=dict)
+    # Pending items per pool, and per pool with a rate of calls the seconds that rate needs
+    # to admit them (what its bucket holds now goes at once).
+    pool_pending: dict[str, int] = field(default_factory=dict)
+    pool_pace: dict[str, float] = field(default_factory=dict)
     activity: RunActivity = field(default_factory=RunActivity)
     # Why its claimable items are not running: max_parallel, busy workers, stalled; or "".
     why: str = ""
@@ -173,6 +177,31 @@ class Progress:
         seconds = ((run.finished_at or self.at) - run.started_at).total_seconds()
         return self.processed / seconds if seconds > 0 else None
 
+    def eta(self, rate: float | None) -> tuple[float | None, str]:
+        """Seconds until every item is done at ``rate`` items/s, but no sooner than the pools'
+        rates admit the pending ones; and the pool whose rate sets it, or "". None when
+        nothing says (no rate, no rate-limited pool) or the run is over."""
+        left = self.total - self.done
+        if self.run.is_terminal or left <= 0:
+            return None, ""
+        at_rate = left / rate if rate else None
+        pool = max(self.pool_pace, key=self.pool_pace.__getitem__, default="")
+        if pool and (at_rate is None or self.pool_pace[pool] > at_rate):
+            return self.pool_pace[pool], pool
+        return at_rate, ""
+
+    def _pace(self, states: Mapping[str, PoolState]) -> None:
+        """How long each pool's rate takes to admit this run's pending items in it: a lower
+        bound, since other runs may share the pool's rate."""
+        for name, n in self.pool_pending.items():
+            state = states.get(name)
+            pool = state.pool if state is not None else None
+            if pool is None or pool.rate_count is None or pool.rate_unit or not n:
+                continue  # a rate of units (tokens) goes by estimates this does not read
+            wanted = n - (pool.tokens or 0.0)
+            if wanted > 0:
+                self.pool_pace[name] = wanted * pool.rate_period / pool.rate_count
+
     def _add(self, row: Mapping[str, Any], states: dict[str, PoolState]) -> None:
         """Count one (status, pool) group of the run's items."""
         status, pool, n = row["status"], row["pool"], row["n"]
@@ -183,6 +212,8 @@ class Progress:
             self.activity.live += row["live"]
             self.activity.expired += n - row["live"]
         elif status == ItemStatus.PENDING:
+            if pool:
+                self.pool_pending[pool] = self.pool_pending.get(pool, 0) + n
             self._hold(RETRY_NOT_DUE, row["later"])
             due = n - row["later"]
             reason = pool_hold(pool, states)
@@ -233,13 +264,14 @@ def progress_of(
         progress[pk].activity.claimable_since = since
     for p in progress.values():
         p.why = why_run_waits(p.run, p.activity, now, states)
+        p._pace(states)
     return progress, states
 
 
 def snapshot(run: BatchRun) -> Progress:
     """The run as it is now, re-read from the database."""
     run.refresh_from_db()
-    progress, _ = progress_of([run], timezone.now())
+    progress, _ = progress_of([run], db_now())
     return progress[run.pk]
 
 
@@ -250,7 +282,7 @@ def held_back(run_id: int, now: datetime | None = None) -> dict[str, int]:
     full, rate limited, throttled). Waiting for the run's own max_parallel is just "pending".
     """
     run = BatchRun.objects.get(pk=run_id)
-    progress, _ = progress_of([run], now or timezone.now())
+    progress, _ = progress_of([run], now or db_now())
     return progress[run_id].held_back
 
 
@@ -325,7 +357,7 @@ def final_report(run: BatchRun) -> dict[str, Any]:
         "join_result": run.join_result,
         "error": run.error,
         # What its items cost and its budget, for a run that counts cost (fanout.spend).
-        **run_report(run.pk, timezone.now()),
+        **run_report(run.pk, db_now()),
         # Why it waits or stalls, in the admin's words (a worker's own when it could not run it).
         **({"why": progress.why} if progress.why else {}),
     }

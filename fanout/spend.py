@@ -17,9 +17,11 @@ A definition without ``cost=`` and a run without a budget touch none of this.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Case, F, FloatField, Q, Value, When
 
-from .clock import calendar_end, calendar_start, db_now
+from .clock import DbNow, calendar_end, calendar_start, db_now
 from .cost import Units, add, amount, describe, total
 from .models import CapacityPool, ItemClaim, ItemStatus, SpendAccount
 
@@ -94,8 +96,9 @@ class _Account:
     period_started_at: datetime | None
     spent_delta: float = 0.0
     reserved_delta: float = 0.0
-    reset: bool = False  # the period rolled over: spent restarts from zero
+    reset: bool = False  # the period rolled over: spent restarts from what this claim settled
     begun: bool = False  # its first period began: spent so far is spent in it
+    kept: float = 0.0  # rolled over: what this transaction had settled before, spent anew
 
     @property
     def used(self) -> float:
@@ -181,21 +184,33 @@ class Gate:
     reason: str = ""  # why the run's budget admits nothing more, when it does not
     blocked_until: datetime | None = None
     charged: list[dict] = field(default_factory=list)  # reclaimed items: cut-off calls
+    # What this transaction settled on the pools' budgets before the gate opened (the batch a
+    # claim records first), by (pool, unit): a period rolled over now keeps it.
+    settled: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, run_id: int, now: datetime) -> Gate:
-        gate = cls(run_id, now)
+    def open(cls, run_id: int, now: datetime, settled: Mapping | None = None) -> Gate:
+        gate = cls(run_id, now, settled=settled or {})
         gate.run = _lock(SpendAccount.objects.filter(run_id=run_id))
         return gate
 
-    def open_pools(self, names: Sequence[str], skip_locked: bool) -> set[str]:
+    def open_pools(self, names: Sequence[str], skip_locked: bool, now: datetime) -> set[str]:
         """Lock the named pools' budgets (call with their pool rows locked); return those whose
-        budgets were locked by another claimer (a later round skips them)."""
+        budgets were locked by another claimer (a later round skips them).
+
+        ``now`` is the claim's clock read after the pools' locks: a period that ended while
+        the claim waited for them rolls over here, as it would for the next claim."""
+        self.now = max(self.now, now)
         found = _lock(SpendAccount.objects.filter(pool__in=names), skip_locked=skip_locked)
         for name in names:
             self.pools.setdefault(name, [])
         for account in found:
             _roll(account, self.now)
+            if account.reset:
+                # The claim's own transaction settled this before the roll: it commits in the
+                # new period, and stays spent there.
+                account.kept = self.settled.get((account.pool or "", account.unit), 0.0)
+                account.spent = account.kept
             self.pools[account.pool or ""].append(account)
         if not skip_locked or not connection.features.has_select_for_update:
             return set()
@@ -233,13 +248,6 @@ class Gate:
             self.blocked_until = until
         return reason
 
-    def rolls_in(self) -> float | None:
-        """Seconds until the first of the locked pools' budget periods ends (None: none
-        rolls over). Only a claim rolls a period: a worker hands over no further than this."""
-        ends = [a.period_ends() for name in self.pools for a in self.pools[name]]
-        due = [(end - self.now).total_seconds() for end in ends if end is not None]
-        return max(0.0, min(due)) if due else None
-
     def pool_spent(self, pool: str) -> str:
         """Why the pool's budget admits nothing at all now ("" while it admits some)."""
         for account in self.pools.get(pool, ()):
@@ -267,8 +275,9 @@ class Gate:
             if account.reset or account.begun:
                 changes.update(period_started_at=account.period_started_at)
             if account.reset:
-                # The period rolled over: spent restarts from zero, plus what this claim spent.
-                changes.update(spent=account.spent_delta)
+                # The period rolled over: spent restarts from what this transaction settled
+                # before the roll, plus what this claim spent.
+                changes.update(spent=account.kept + account.spent_delta)
             _move(SpendAccount.objects.filter(pk=account.pk), account, changes)
 
 
@@ -311,6 +320,10 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
         if not units:
             continue
         run_id, pool = key
+        collecting = _settling.get()
+        if collecting is not None and pool:
+            for unit, d in units.items():
+                collecting[(pool, unit)] = collecting.get((pool, unit), 0.0) + d[0]
         rows = SpendAccount.objects.filter(unit__in=list(units))
         if run_id is not None:
             rows = rows.filter(run_id=run_id)
@@ -321,12 +334,37 @@ def _shift(changes: dict[tuple[int | None, str | None], dict[str, list[float]]])
     return moved
 
 
+# What the spend settled in the current claim's transaction moved onto pools' budgets, by
+# (pool, unit), while settled_here() collects it (None: nobody asks).
+_settling: ContextVar[dict[tuple[str, str], float] | None] = ContextVar(
+    "fanout_spend_settling", default=None
+)
+
+
+@contextlib.contextmanager
+def settled_here() -> Iterator[dict[tuple[str, str], float]]:
+    """Collect what settlements spend on pools' budgets inside the block (a claim records its
+    batch first, then rolls periods over: what the batch settled must survive the roll)."""
+    collected: dict[tuple[str, str], float] = {}
+    token = _settling.set(collected)
+    try:
+        yield collected
+    finally:
+        _settling.reset(token)
+
+
 def _roll_ended(accounts: Any) -> None:
     """Start again the pool's periods that have ended, as the next claim would: what a call
     spent counts in the period it settles in, not in one a claim will wipe."""
+    started = accounts.filter(period_started_at__isnull=False).order_by("unit")
+    if connection.features.has_select_for_update:
+        started = started.select_for_update()
+    rows = list(started.values_list("pk", "period", "calendar", "period_started_at"))
+    if not rows:
+        return
+    # Read once the budgets are held: a period that ended while this waited for another
+    # transaction's lock on them (a hand-over's) rolls over now.
     now = db_now()
-    started = accounts.filter(period_started_at__isnull=False)
-    rows = started.values_list("pk", "period", "calendar", "period_started_at")
     for pk, period, calendar, began in rows:
         if calendar:
             start = calendar_start(now, calendar)
@@ -479,6 +517,10 @@ def after_hand_over(
     owners: list[tuple[int | None, str | None]] = [(run_id, None)] if run_budget else []
     if outcome.pool:
         owners.append((None, outcome.pool))
+        # Every one of the pool's periods that has ended starts again, as a claim (and the
+        # hand-over routines) roll them: not only those of the units this call moves, or the
+        # next item is admitted against an ended period's spend.
+        _roll_ended(SpendAccount.objects.filter(pool=outcome.pool))
     _shift(_settle_and_reserve(owners, spent, estimate or {}, reserve))
     # Asked even when nothing moved: a budget reached already refuses an item that reserves
     # nothing, as the claim (Gate.admit) and fanout_hand_over_spend do.
@@ -573,11 +615,19 @@ def _never_admitted(
 
 def _open_account(account: SpendAccount, now: datetime) -> SpendAccount:
     """The account as the next claim will see it: a pool's period that has passed is spent
-    from zero (not written: only a claim, under the lock, rolls it over)."""
+    from zero (not written here: the next claim, hand-over or record rolls it over). ``now``
+    is the database's clock, which says when a period ends."""
+    now = getattr(account, "clock", None) or now  # read with the row (_with_clock)
     ends = period_end(account.period, account.calendar, account.period_started_at)
     if ends is not None and now >= ends:
         account.spent = 0.0
     return account
+
+
+def _with_clock(accounts: Any) -> Any:
+    """The accounts, each read with the database's clock: whoever shows them (the admin,
+    run_fanout, fanout_pools) may run on a host whose clock is hours off."""
+    return accounts.annotate(clock=DbNow())
 
 
 def _holds(account: SpendAccount, need: float) -> bool:
@@ -588,7 +638,9 @@ def _holds(account: SpendAccount, need: float) -> bool:
 def run_hold(run_id: int, now: datetime) -> str:
     """Why the run's budget admits none of its due items now ("" when it admits the next, or
     it has no budget): its next due item's estimate is what a claim would hold."""
-    accounts = [_open_account(a, now) for a in SpendAccount.objects.filter(run_id=run_id)]
+    accounts = [
+        _open_account(a, now) for a in _with_clock(SpendAccount.objects.filter(run_id=run_id))
+    ]
     if not accounts:
         return ""
     estimate = (
@@ -607,7 +659,8 @@ def run_hold(run_id: int, now: datetime) -> str:
 def pool_holds(names: Iterable[str], now: datetime) -> dict[str, str]:
     """Pools whose budget is spent (spent plus reserved at the budget), and why, in words."""
     held: dict[str, str] = {}
-    for account in SpendAccount.objects.filter(pool__in=list(names)).order_by("pool", "unit"):
+    accounts = _with_clock(SpendAccount.objects.filter(pool__in=list(names)))
+    for account in accounts.order_by("pool", "unit"):
         account = _open_account(account, now)
         if account.pool and account.pool not in held and _holds(account, 0.0):
             held[account.pool] = describe(
@@ -648,7 +701,7 @@ def run_report(run_id: int, now: datetime) -> dict[str, Any]:
     items = ItemClaim.objects.filter(run_id=run_id)
     costs = items.filter(cost__isnull=False).values_list("cost", flat=True)
     held = items.running().filter(estimate__isnull=False).values_list("estimate", flat=True)
-    budgets = budget_rows(SpendAccount.objects.filter(run_id=run_id), now)
+    budgets = budget_rows(_with_clock(SpendAccount.objects.filter(run_id=run_id)), now)
     spent, reserved = total(costs), total(held)
     if not (spent or reserved or budgets):
         return {}

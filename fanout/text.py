@@ -59,3 +59,12 @@ def last_line(text: str | None) -> str:
     """The line of a traceback that says what went wrong: its last non-blank one."""
     lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
+
+
+def without_class(error: str, error_class: str) -> str:
+    """An error's message without the class a traceback's last line begins with, so that it
+    follows its class once: "card declined" of "fanout.errors.PermanentError: card declined"."""
+    head, sep, message = error.partition(": ")
+    if sep and error_class and (head == error_class or head.endswith("." + error_class)):
+        return message
+    return error

@@ -13,18 +13,14 @@ from typing import IO, cast
 from django.core.management.base import OutputWrapper
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
-from rich.progress import (
-    BarColumn,
-    ProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, ProgressColumn, TextColumn
 from rich.progress import Progress as Bar
 from rich.table import Column
 from rich.text import Text
 
 from . import report
 from .models import ItemStatus
+from .text import human_duration
 
 _UNCUT = 100_000  # columns: wider than any line
 _ORDER = (
@@ -76,10 +72,10 @@ class Progress:
             columns.append(BarColumn(bar_width=20, table_column=fixed))
         columns += [
             TextColumn("{task.fields[rate]}", table_column=fixed),
-            TimeRemainingColumn(table_column=fixed),
+            TextColumn("{task.fields[eta]}", table_column=fixed),
         ]
         self.bar = Bar(*columns, console=self.console, auto_refresh=False)
-        self._task = self.bar.add_task("", total=None, rate="")
+        self._task = self.bar.add_task("", total=None, rate="", eta="")
         self._detail = ""
         self._live: Live | None = None
 
@@ -127,7 +123,18 @@ class Progress:
             total=total,
         )
         speed = self.bar.tasks[0].speed
-        self.bar.update(self._task, rate=f"{speed:.1f} items/s" if speed else "")
+        self.bar.update(
+            self._task, rate=f"{speed:.1f} items/s" if speed else "", eta=eta(snap, speed)
+        )
+
+
+def eta(snap: report.Progress, speed: float | None) -> str:
+    """ "eta 3m 05s" at the recent speed, unless a pool's rate admits the pending items later:
+    "eta 46m 12s (paced by pool payments)"; "" when nothing says yet."""
+    seconds, pool = snap.eta(speed)
+    if seconds is None:
+        return ""
+    return f"eta {human_duration(seconds)}" + (f" (paced by pool {pool})" if pool else "")
 
 
 def holds(snap: report.Progress) -> list[str]:

@@ -115,12 +115,16 @@ class Joiner:
 
     def __init__(self) -> None:
         self._joining: set[int] = set()  # runs whose join thread has not ended
+        # Runs asked for again while their join thread ran: it may have looked before the
+        # last item ended, so it looks once more before it ends.
+        self._again: set[int] = set()
         self._changed = threading.Condition()
 
     def add(self, run_id: int, definition: FanOut) -> None:
         """Join the run soon, if every item has finished by then."""
         with self._changed:
             if run_id in self._joining:
+                self._again.add(run_id)
                 return
             self._joining.add(run_id)
         name = f"fanout-join-{run_id}"
@@ -141,10 +145,16 @@ class Joiner:
 
     def _serve(self, run_id: int, definition: FanOut) -> None:
         try:
-            self._join(run_id, definition)
+            while True:
+                self._join(run_id, definition)
+                with self._changed:
+                    if run_id not in self._again:
+                        break
+                    self._again.discard(run_id)
         finally:
             connection.close()
             with self._changed:
+                self._again.discard(run_id)
                 self._joining.discard(run_id)
                 self._changed.notify_all()
 
@@ -241,9 +251,6 @@ class Drain:
     # Whether its items' costs are counted against budgets (fanout.spend); else the paths
     # are exactly those of a run that counts nothing.
     spend: bool = False
-    # When (this host's monotonic clock) a budget period of its pools ends, as the last claim
-    # read it on the database's: only a claim rolls a period over, so hand-overs stop there.
-    budget_rolls_at: float | None = None
 
     def __call__(self) -> str:
         """Drain until the run is finished, stopped or the deadline passes; say which."""
@@ -414,8 +421,6 @@ class Drain:
     def _can_hand_over(self, batch: Batch) -> bool:
         if len(batch.outcomes) != 1 or not can_hand_over(batch.outcomes[0]):
             return False
-        if self.budget_rolls_at is not None and time.monotonic() >= self.budget_rolls_at:
-            return False  # a hand-over would settle into, and admit against, a period gone
         # A dead owner's items hold slots that hand-overs would never give them: take the
         # claim path, which reclaims them first.
         return not self._expired_waiting()
@@ -506,9 +511,6 @@ class Drain:
         if result is None:
             return None
         self.retry_in = result.retry_in
-        if result.items:
-            rolls_in = result.budget_rolls_in
-            self.budget_rolls_at = None if rolls_in is None else time.monotonic() + rolls_in
         claim_took(definition.name, "claim", time.perf_counter() - began)
         if batch is None:
             _gate_set(self.run_id, result)

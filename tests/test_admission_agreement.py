@@ -16,8 +16,16 @@ import pytest
 from django.db import connection
 
 from fanout.clock import db_now
-from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
+from fanout.models import (
+    BatchRun,
+    CapacityPool,
+    ItemClaim,
+    ItemStatus,
+    RunStatus,
+    SpendAccount,
+)
 from fanout.pools import ItemState, PoolState, RunState, hands_over, next_in_slot
+from fanout.spend import _ACCOUNT_FIELDS, Gate, _Account, _roll
 from fanout.transitions import SUCCEEDED, ExecutionOutcome, hand_over, hand_over_spending
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -326,3 +334,190 @@ def test_a_hand_over_passes_its_slot_on_when_another_runs_wait_for_the_pool_has_
             key="item-1", run__run_key=f"agreement-ran-out-{routine.__name__}-run"
         )
         assert taken.status == ItemStatus.RUNNING, f"{routine.__name__} gave the slot up"
+
+
+# --------------------------------------------------------------------------------- budgets
+#
+# A hand-over that counts cost settles the finished item (its reservation becomes what it
+# cost) and reserves the next item's estimate; a budget that the next item would pass (or that
+# is reached already) refuses it. The rule is the claim's (fanout.spend.Gate.admit, after a
+# pool's ended period rolls over); every routine must decide as it does and leave the same
+# spent and reserved on every account.
+
+UNITS = ("usd", "tokens")
+AMOUNTS = (0.0, 0.5, 1.0, 1.5, 2.0)
+
+
+@dataclass
+class AccountSpec:
+    budget: float
+    spent: float
+    reserved: float  # besides the finished item's estimate, which it holds too
+    ended: bool = False  # a pool's rolling period that has ended
+
+
+@dataclass
+class SpendState:
+    pool: str  # the finished item's: "a" or ""
+    run_budget: dict[str, AccountSpec]  # unit -> account ({}: the run has no budget)
+    pool_budget: dict[str, AccountSpec]
+    estimate: dict[str, float] | None  # the finished item's
+    cost: dict[str, float] | None  # what its call reported (None: nothing, so its estimate)
+    next_estimate: dict[str, float] | None  # the pending item's, when there is one
+    pending: bool = True
+
+
+def random_costs(rng: random.Random) -> dict[str, float] | None:
+    if rng.random() < 0.15:
+        return None
+    return {u: rng.choice(AMOUNTS) for u in UNITS if rng.random() < 0.6}
+
+
+def random_accounts(rng: random.Random, periods: bool) -> dict[str, AccountSpec]:
+    return {
+        unit: AccountSpec(
+            budget=rng.choice((0.0, 1.0, 2.0, 3.0, 4.0)),
+            spent=rng.choice(AMOUNTS),
+            reserved=rng.choice((0.0, 0.0, 0.5, 1.0)),
+            ended=periods and rng.random() < 0.3,
+        )
+        for unit in UNITS
+        if rng.random() < 0.6
+    }
+
+
+def random_spend_state(rng: random.Random) -> SpendState:
+    pool = rng.choice(("a", "a", ""))
+    return SpendState(
+        pool=pool,
+        run_budget=random_accounts(rng, periods=False) if rng.random() < 0.7 else {},
+        pool_budget=random_accounts(rng, periods=True) if pool and rng.random() < 0.7 else {},
+        estimate=random_costs(rng),
+        cost=random_costs(rng) if rng.random() < 0.6 else None,
+        next_estimate=random_costs(rng),
+        pending=rng.random() < 0.9,
+    )
+
+
+def write_spend(state: SpendState, tag: str) -> tuple[Written, dict[str, list[int]]]:
+    """The state as rows: a run and pool that both admit, and their budgets' accounts."""
+    pools = {"a": PoolSpec(10, 1, False, None, None, None, {})}
+    items = [ItemSpec(state.pool, "pending", 0, AGO)] if state.pending else []
+    written = write(State(RunStatus.RUNNING, 10, 1, state.pool, pools, items), tag)
+    ItemClaim.objects.filter(pk=written.finished.pk).update(estimate=state.estimate)
+    for item in written.items:
+        ItemClaim.objects.filter(pk=item.pk).update(estimate=state.next_estimate)
+    now = db_now()
+    accounts: dict[str, list[int]] = {"run": [], "pool": []}
+    held = state.estimate or {}
+    for owner, specs in (("run", state.run_budget), ("pool", state.pool_budget)):
+        for unit, spec in specs.items():
+            started = now - timedelta(seconds=90 if spec.ended else 30)
+            account = SpendAccount.objects.create(
+                run=written.run if owner == "run" else None,
+                pool=written.names["a"] if owner == "pool" else None,
+                unit=unit,
+                budget=spec.budget,
+                spent=spec.spent,
+                reserved=spec.reserved + held.get(unit, 0.0),
+                period=60.0 if owner == "pool" else None,
+                period_started_at=started if owner == "pool" else None,
+            )
+            accounts[owner].append(account.pk)
+    return written, accounts
+
+
+def _accounts(pks: list[int]) -> list[_Account]:
+    rows = SpendAccount.objects.filter(pk__in=pks).order_by("unit")
+    return [_Account(*values) for values in rows.values_list(*_ACCOUNT_FIELDS)]
+
+
+def spend_rule(
+    state: SpendState, written: Written, accounts: dict[str, list[int]], now: datetime
+) -> tuple[bool, dict[int, tuple[float, float]]]:
+    """What the rule decides: whether the next item is refused, and each account's (spent,
+    reserved) after the hand-over."""
+    actual = dict(state.cost) if state.cost is not None else dict(state.estimate or {})
+    gate = Gate(written.run.pk, now)
+    gate.run = _accounts(accounts["run"])
+    name = written.finished.pool
+    if name:
+        gate.pools[name] = _accounts(accounts["pool"])
+        for account in gate.pools[name]:
+            _roll(account, now)
+    for account in [*gate.run, *gate.pools.get(name, ())]:
+        account.spent += actual.get(account.unit, 0.0)
+        account.reserved -= (state.estimate or {}).get(account.unit, 0.0)
+    refused = state.pending and bool(gate.admit(state.next_estimate, name, reclaim=False))
+    after = {a.pk: (a.spent, a.reserved) for a in [*gate.run, *gate.pools.get(name, ())]}
+    if refused:
+        # Refused by the routine's rule only after it reserved: the worker releases the item.
+        for account in [*gate.run, *gate.pools.get(name, ())]:
+            n = (state.next_estimate or {}).get(account.unit, 0.0)
+            after[account.pk] = (account.spent, account.reserved + n)
+    return refused, after
+
+
+def python_hand_over_spending(*args: Any) -> Any:
+    """The hand-over and then its spend in Python, as databases without the routine do it."""
+    from django.db import transaction
+
+    from fanout import spend
+
+    run_id, outcome = args[0], args[2]
+    with transaction.atomic():
+        done = hand_over(*args)
+        next_pk = done.next.pk if done.next is not None else None
+        if not spend.after_hand_over(outcome, run_id, next_pk, spend.run_has_budget(run_id)):
+            done.refused = True
+    return done
+
+
+def check_spend(state: SpendState, tag: str, routine: Any, decided: Counter[str]) -> str | None:
+    written, accounts = write_spend(state, tag)
+    now = db_now()
+    refused, expected = spend_rule(state, written, accounts, now)
+    decided["refused" if refused else "admitted" if state.pending else "none next"] += 1
+    result = ExecutionOutcome(
+        written.finished.pk, "finished", SUCCEEDED, written.finished.pool, {"ok": True}
+    )
+    result.cost, result.accounted = state.cost, True
+    done = routine(written.run.pk, written.token, result, "agreement-next", uuid.uuid4(), LEASE)
+    problems = []
+    if not done.written:
+        problems.append("the finished item's outcome was not written")
+    if (done.next is not None) != state.pending:
+        problems.append(f"next item {done.next}, pending {state.pending}")
+    if done.next is not None and done.refused != refused:
+        problems.append(f"refused: rule {refused}, routine {done.refused}")
+    got = {
+        pk: (spent, reserved)
+        for pk, spent, reserved in SpendAccount.objects.filter(pk__in=list(expected)).values_list(
+            "pk", "spent", "reserved"
+        )
+    }
+    for pk, (spent, reserved) in expected.items():
+        if abs(got[pk][0] - spent) > 1e-9 or abs(got[pk][1] - reserved) > 1e-9:
+            problems.append(f"account {pk}: rule {(spent, reserved)}, routine {got[pk]}")
+    if not problems:
+        return None
+    return (
+        f"{getattr(routine, '__name__', routine)} on {connection.vendor} disagrees with the "
+        f"rule: {'; '.join(problems)}\n  state: {json.dumps(asdict(state))}"
+    )
+
+
+def test_every_hand_over_routine_admits_against_budgets_as_the_python_rule() -> None:
+    routines()  # skips where there is no SQL routine to compare
+    rng = random.Random(SEED + 1)
+    states = [random_spend_state(rng) for _ in range(EXAMPLES)]
+    found = []
+    decided = Counter[str]()
+    for number, state in enumerate(states):
+        for routine in (hand_over_spending, python_hand_over_spending):
+            problem = check_spend(state, f"spend-{number}-{routine.__name__}", routine, decided)
+            if problem:
+                found.append(f"example {number}: {problem}")
+    assert not found, f"{len(found)} disagreements:\n" + "\n".join(found[:10])
+    # The states reach both decisions, each often.
+    assert decided["refused"] >= 20 and decided["admitted"] >= 20, decided

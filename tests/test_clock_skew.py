@@ -8,14 +8,17 @@ import os
 import time
 import uuid
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fanout.clock import db_now
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
 from fanout.models import BatchRun, ItemClaim, ItemStatus, RunStatus
+from fanout.waiting import RETRY_NOT_DUE
 from tests import procs
 from tests.testapp.models import Execution
 
@@ -112,3 +115,22 @@ def test_a_failed_spawn_on_a_host_behind_the_database_ends_after_it_started(
     for item in items:
         assert item.started_at is not None and item.finished_at is not None
         assert item.finished_at >= item.started_at, (item.key, item.finished_at - item.started_at)
+
+
+def test_the_console_on_a_host_ahead_of_the_database_sees_a_retry_not_yet_due(
+    database_url: str, tmp_path: Path, children: list[Any]
+) -> None:
+    # Whether a retry is due is the database's to say, in the console's list as in the claim:
+    # a host 90 s ahead must not call a retry due in 60 s ready to run.
+    run = prepare_run(get_definition("t_ledger"), {"n": 1}, uuid.uuid4().hex)
+    ItemClaim.objects.filter(run=run).update(
+        attempt=1, next_attempt_at=db_now() + timedelta(seconds=60)
+    )
+    env = skewed(procs.child_env(database_url), "+90s", tmp_path / "shim")
+    proc = procs.spawn_manage(["fanout_runs", "--json"], env)
+    children.append(proc)
+    code, out, err = procs.finish(proc, timeout=60)
+
+    assert code == 0, err
+    listed = {r["id"]: r for r in json.loads(out)}
+    assert listed[run.pk]["waiting"] == {RETRY_NOT_DUE: 1}

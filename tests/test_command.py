@@ -27,6 +27,7 @@ from fanout.models import BatchRun, CapacityPool, RunStatus
 from fanout.watch import Progress
 from tests import procs
 from tests.conftest import executions, keys
+from tests.test_runs_console import paced_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -363,6 +364,13 @@ def test_progress_elsewhere_is_one_plain_line_per_interval_never_cut() -> None:
 def on_a_terminal(args: list[str], env: dict[str, str], columns: int, until: str) -> str:
     """Run ``manage.py ARGS`` on a pseudo-terminal ``columns`` wide; Ctrl-C it once its output
     holds ``until``; return everything it wrote there."""
+    return ctrl_c_on_a_terminal(args, env, columns, until)[0]
+
+
+def ctrl_c_on_a_terminal(
+    args: list[str], env: dict[str, str], columns: int, until: str
+) -> tuple[str, int, str]:
+    """``on_a_terminal``, with the command's exit code and what it wrote on stderr."""
     main, child = os.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(
@@ -391,14 +399,14 @@ def on_a_terminal(args: list[str], env: dict[str, str], columns: int, until: str
             if not chunk:
                 break
             text += chunk
-        proc.wait(30)
+        _, errors = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.close(main)
     assert interrupted, f"the output never held {until!r}:\n{text.decode()}"
-    return text.decode()
+    return text.decode(), proc.returncode, errors.decode()
 
 
 def test_on_a_terminal_of_120_columns_the_rate_limit_that_binds_comes_first_and_whole(
@@ -428,6 +436,46 @@ def test_on_a_terminal_of_120_columns_the_rate_limit_that_binds_comes_first_and_
     assert "…" not in text, frame
     assert reason in text, frame
     assert text.index(reason) < text.index("succeeded1"), frame
+
+
+def test_the_eta_of_a_run_paced_by_its_pools_rate_counts_what_the_pool_has_left_to_admit(
+    database_url: str,
+) -> None:
+    # One admission an hour, burst 1: after the first item, the other 39 take 39 hours
+    # whatever the first one's speed said.
+    CapacityPool.objects.create(
+        name="hourly", max_concurrency=4, rate_count=1, rate_period=3600.0, burst=1
+    )
+
+    output, code, errors = ctrl_c_on_a_terminal(
+        ["run_fanout", "pools_named", "--run-key", "paced"]
+        + ["--param", "n=40", "--param", "pool=hourly"],
+        procs.child_env(database_url),
+        columns=120,
+        until="1/40",
+    )
+
+    lines = screen(output, 120)
+    report = next(i for i, line in enumerate(lines) if re.match(r"run \d+ \(pools_named", line))
+    frame = " ".join(lines[:report])
+    assert re.search(r"1/40 \(2%\).* eta 1d 1[45]h \(paced by pool hourly\) ", frame), frame
+    # Ctrl-C is how the command ended, not an error of it: one plain line, exit 1.
+    run = BatchRun.objects.get()
+    assert code == 1, errors
+    assert f"interrupted: run {run.pk} is running; pick it up with run_fanout --resume" in errors
+    assert "Error" not in errors, errors
+
+
+def test_the_progress_line_says_the_eta_the_pools_rate_allows_and_that_it_paces_the_run() -> None:
+    run = paced_run()
+    out = StringIO()
+    progress = Progress(OutputWrapper(out), isatty=False)
+
+    progress.show(report.snapshot(run), final=True)
+
+    line = out.getvalue()
+    assert "23/100 (23%)" in line
+    assert re.search(r" eta 4[56]m \d\ds \(paced by pool paced-pool\) ", line), line
 
 
 @override_settings(FANOUT_POOLS={"slots-pool": {"max_concurrency": 5, "rate": "50/s"}})

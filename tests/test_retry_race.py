@@ -216,3 +216,48 @@ def test_a_cancel_of_the_parent_while_retry_failed_reopens_its_child_leaves_no_c
     assert child.status in (RunStatus.FAILED, RunStatus.CANCELLED), retried
     assert ItemStatus.PENDING not in {i.status for i in items(child.pk).values()}
     assert (parent.in_flight, child.in_flight) == (0, 0)
+
+
+def test_a_join_elected_while_retry_failed_reopens_an_item_steps_down() -> None:
+    # The joiner saw every item finished, then waited for the run's row while retry_failed
+    # put the failed item back: it is elected after the retry commits, sees the item pending
+    # and leaves the join (leave_join), so the run runs on and the join is not called.
+    run = prepare("t_collect", {"n": 1})
+    taken = claim(run.pk, "owner", 1, 30, 3, None)
+    assert taken.token is not None
+    item = taken.items[0]
+    outcome = ExecutionOutcome(item.pk, item.key, FAILED, error="boom", error_class="Boom")
+    record(run.pk, taken.token, [outcome], "collect")
+    sessions: list[int] = []
+    joined: list[bool] = []
+
+    def join() -> None:
+        try:
+            sessions.append(session_id())
+            joined.append(maybe_join(run.pk))
+        finally:
+            connections["default"].close()
+
+    joiner = threading.Thread(target=join)
+    try:
+        with transaction.atomic():
+            lock_run(run.pk)
+            joiner.start()
+            wait_until(lambda: sessions, 30, "the joiner to start")
+            wait_until(
+                lambda: waits_for_a_lock(sessions[0]),
+                30,
+                "the joiner to wait for the run",
+                every=LOCK_POLL,
+            )
+            assert retry_failed(BatchRun.objects.get(pk=run.pk)) == 1
+    finally:
+        if joiner.ident is not None:
+            joiner.join(60)
+
+    assert joined == [False]
+    run.refresh_from_db()
+    assert run.status == RunStatus.RUNNING
+    assert run.join_token is None and run.join_lease_expires_at is None
+    assert run.join_runs == 0
+    assert items(run.pk)[item.key].status == ItemStatus.PENDING

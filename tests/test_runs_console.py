@@ -9,15 +9,17 @@ import struct
 import subprocess
 import termios
 import uuid
+from datetime import timedelta
 from io import StringIO
 from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.utils import timezone
 
 from fanout.console import RunLine, render_lines
-from fanout.models import BatchRun, CapacityPool, ItemClaim, RunStatus
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
 from tests.conftest import prepare, start
 from tests.procs import PYTHON, ROOT, child_env
 from tests.test_nesting import start_tree, wait_tree
@@ -39,6 +41,41 @@ def held_run() -> BatchRun:
     ItemClaim.objects.filter(run=run).update(pool="console-pool")
     BatchRun.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
     return run
+
+
+def paced_run() -> BatchRun:
+    """A run of 100 items in a pool of 100 an hour whose burst of 20 is spent: 23 done in its
+    first second, the 77 left come at the pool's rate, one every 36 s (46 min in all)."""
+    CapacityPool.objects.create(
+        name="paced-pool",
+        max_concurrency=10,
+        rate_count=100,
+        rate_period=3600.0,
+        burst=20,
+        tokens=0.0,
+        tokens_at=timezone.now(),
+    )
+    run = prepare("t_ledger", {"n": 100}, run_key=uuid.uuid4().hex)
+    ItemClaim.objects.filter(run=run).update(pool="paced-pool")
+    done = ItemClaim.objects.filter(run=run).order_by("key").values_list("pk", flat=True)[:23]
+    ItemClaim.objects.filter(pk__in=list(done)).update(status=ItemStatus.SUCCEEDED)
+    BatchRun.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING, started_at=timezone.now() - timedelta(seconds=1)
+    )
+    return run
+
+
+def test_the_eta_of_a_run_paced_by_its_pools_rate_counts_what_the_rate_has_left_to_admit() -> None:
+    run = paced_run()
+
+    (line,) = runs_json()
+    out = StringIO()
+    call_command("fanout_runs", stdout=out)
+
+    assert line["id"] == run.pk and line["done"] == 23
+    # 23 items a second so far would say 3 s; the pool admits the other 77 in 46 min.
+    assert line["eta_seconds"] >= 76 * 36
+    assert "paced by pool paced-pool" in out.getvalue()
 
 
 def test_the_list_shows_open_and_recent_runs_with_progress_and_what_they_wait_on() -> None:
@@ -73,7 +110,19 @@ def test_one_run_close_up_shows_its_tree_its_pools_and_its_latest_failures() -> 
     assert max(r["depth"] for r in tree["tree"]) == 2
     (failure,) = close["failures"]
     assert failure["key"] == "k00001" and failure["error_class"].endswith("PermanentError")
-    assert failure["error"] and failure["error"] in out.getvalue()
+    assert failure["error"].endswith("PermanentError: k00001 is broken for good")
+    assert "PermanentError: k00001 is broken for good" in out.getvalue()
+
+
+def test_a_failure_close_up_names_its_error_class_once() -> None:
+    failing = start("t_collect", {"n": 2, "permanent": ["k00001"]}, run_key=uuid.uuid4().hex)
+
+    out = StringIO()
+    call_command("fanout_runs", str(failing.pk), stdout=out)
+
+    (line,) = [text for text in out.getvalue().splitlines() if "k00001" in text]
+    assert line.count("PermanentError") == 1, line
+    assert "(attempt 1): PermanentError: " in line, line
 
 
 def test_on_a_terminal_every_line_fits_its_width_and_a_long_reason_wraps_whole() -> None:

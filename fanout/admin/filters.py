@@ -14,9 +14,9 @@ from django import forms
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.db.models import QuerySet
-from django.utils import timezone
 from django_filters.widgets import DateRangeWidget, RangeWidget, SuffixedMultiWidget
 
+from ..clock import db_now
 from ..models import CapacityPool, ItemClaim, ItemStatus
 from ..waiting import held_q
 
@@ -79,7 +79,7 @@ class ItemClaimFilterSet(django_filters.FilterSet):
 
     def filter_status(self, queryset: QuerySet, name: str, value: str) -> QuerySet:
         if value == HELD:
-            return queryset.filter(held_q(timezone.now()))
+            return queryset.filter(held_q(db_now()))
         return queryset.filter(status=value)
 
 

@@ -15,12 +15,12 @@ from django.db import connections
 from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
-from django.utils import timezone
 from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 
 from .. import actions
 from ..actions import RETRYABLE_RUNS
+from ..clock import db_now
 from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, ItemAttempt, ItemClaim, ItemStatus, RunStatus
@@ -196,7 +196,7 @@ class ItemClaimAdmin(FanoutAdmin):
 
     def read_page(self, request: HttpRequest, items: list[ItemClaim]) -> dict[int, ItemRow]:
         """Decide "why it waits" for the page's pending items at once."""
-        now = timezone.now()
+        now = db_now()
         why = why_items_wait([i for i in items if i.status == ItemStatus.PENDING], now)
         return {item.pk: ItemRow(now, *why.get(item.pk, ("", False))) for item in items}
 
@@ -291,7 +291,7 @@ class ItemClaimAdmin(FanoutAdmin):
         if item.status != ItemStatus.RUNNING or item.lease_expires_at is None:
             return holder
         row: ItemRow | None = page_facts(item)
-        now = row.now if row is not None else timezone.now()
+        now = row.now if row is not None else db_now()
         left = item.lease_expires_at - now
         if left <= timedelta(0):
             return format_html(
@@ -326,7 +326,7 @@ class ItemClaimAdmin(FanoutAdmin):
     def why_it_waits_now(self, item: ItemClaim) -> str:
         if item.status != ItemStatus.PENDING:
             return ""
-        reason, _ = why_items_wait([item], timezone.now())[item.pk]
+        reason, _ = why_items_wait([item], db_now())[item.pk]
         return reason
 
     @admin.display(description="payload")

@@ -16,6 +16,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from ..clock import db_now
 from ..models import BatchRun, CapacityPool, ItemClaim, ItemStatus, SpendAccount
 from ..pools import settings_drift
 from ..text import plural
@@ -205,7 +206,7 @@ class CapacityPoolAdmin(FanoutAdmin):
 
     def summary(self, request: HttpRequest, pool: CapacityPool) -> dict[str, Any]:
         """What the pool's page shows above its fields: its state, its switch, its runs."""
-        now = timezone.now()
+        now = db_now()  # leases, buckets and budget periods end by the database's clock
         in_flight = ItemClaim.objects.in_flight(now).filter(pool=pool.name).count()
         return {
             "pool_state": pool_state(pool.name, pool, in_flight, now),
@@ -230,7 +231,7 @@ class CapacityPoolAdmin(FanoutAdmin):
         """Live leases, admissions in each pool's rate period and pending items: one query."""
         if not pools:
             return {}
-        now = timezone.now()
+        now = db_now()
         admitted = Q()
         for pool in pools:
             admitted |= Q(pool=pool.name, claimed_at__gte=now - timedelta(seconds=pool.rate_period))

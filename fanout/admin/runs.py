@@ -19,6 +19,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 
 from .. import actions, compensate
 from ..actions import RETRYABLE_RUNS
+from ..clock import db_now
 from ..definition import get_definition
 from ..errors import FanoutError
 from ..models import BatchRun, CapacityPool, ItemAttempt, ItemClaim, ItemStatus, RunStatus
@@ -235,7 +236,7 @@ class BatchRunAdmin(FanoutAdmin):
 
     def read_page(self, request: HttpRequest, runs: list[BatchRun]) -> dict[int, Progress]:
         """Each run's progress, for its status and its bar."""
-        progress, _ = progress_of(runs, timezone.now())
+        progress, _ = progress_of(runs, db_now())
         return progress
 
     # Runs are created by starting a definition, and deleting one would list all its items.
@@ -268,7 +269,7 @@ class BatchRunAdmin(FanoutAdmin):
             raise Http404("no such run")
         if not self.has_view_or_change_permission(request, run):
             raise PermissionDenied
-        progress, _ = progress_of([run], timezone.now())
+        progress, _ = progress_of([run], db_now())
         response = JsonResponse(progress_payload(progress[run.pk]))
         response["Cache-Control"] = "no-store"
         return response
@@ -375,7 +376,7 @@ class BatchRunAdmin(FanoutAdmin):
 
     def summary(self, request: HttpRequest, run: BatchRun) -> dict[str, Any]:
         """Everything the run's page shows above its fields, in a handful of queries."""
-        now = timezone.now()
+        now = db_now()
         progress_by_run, states = progress_of([run], now)
         progress = progress_by_run[run.pk]
         counts = progress.by_segment

@@ -19,7 +19,8 @@ from .base import Backend, HandOverRow
 NOW = "UTC_TIMESTAMP(6)"
 # A stored procedure (migrations 0005, 0008, 0015): one CALL, one round trip, one commit.
 HAND_OVER = "CALL fanout_hand_over(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
-# The same, with the spend it moves (migration 0017): the cost and whether the run has a budget.
+# The same, with the spend it moves (migrations 0017, 0018, 0020, 0021): the cost and whether the
+# run has a budget.
 HAND_OVER_SPEND = "CALL fanout_hand_over_spend(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 

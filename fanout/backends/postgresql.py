@@ -19,7 +19,7 @@ NOW = "clock_timestamp()"
 # A PL/pgSQL function (migrations 0003, 0006, 0015), so that PostgreSQL plans it once per session:
 # planning the statement cost more than running it.
 HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
-# The hand-over and the spend it moves (migrations 0013, 0015).
+# The hand-over and the spend it moves (migrations 0013, 0015, 0018, 0020, 0021).
 HAND_OVER_SPEND = (
     "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
 )

@@ -18,13 +18,14 @@ import contextlib
 import json
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, QuerySet
 
 from .. import spend
@@ -88,19 +89,37 @@ class ClaimedItem:
 
 # --- the counters -----------------------------------------------------------------------
 
+
+@dataclass
+class Freed:
+    """What a batch recorded first in a claim (``slots_freed``) leaves to the claim: the run
+    slots its successes give up, and the spend they settle on the run's budget."""
+
+    run_id: int
+    slots: Counter[int] = field(default_factory=Counter)
+    then: list[Callable[[], Any]] = field(default_factory=list)
+
+    def settle(self) -> None:
+        """Settle the spend left here: call with the run's row locked (the run's budget comes
+        after it in the lock order)."""
+        while self.then:
+            self.then.pop(0)()
+
+
 # Set by a claim that records its worker's last batch first (``slots_freed``): the run slots
 # that batch's successes give up, which the claim then moves with its own lock of the run.
-_freeing: ContextVar[tuple[int, Counter[int]] | None] = ContextVar("_freeing", default=None)
+_freeing: ContextVar[Freed | None] = ContextVar("_freeing", default=None)
 
 
 @contextlib.contextmanager
-def slots_freed(run_id: int) -> Iterator[Counter[int]]:
+def slots_freed(run_id: int) -> Iterator[Freed]:
     """Within the block, successes of ``run_id`` that free no pool slot leave the run's
     counter alone and count here instead: the caller must move the run's ``in_flight`` by
-    as many, in the same transaction (claim.lock_run does, in the statement that locks it).
-    One statement less under the run's lock, which every claimer of the run waits for."""
-    freed: Counter[int] = Counter()
-    reset = _freeing.set((run_id, freed))
+    as many, in the same transaction (claim.lock_run does, in the statement that locks it),
+    and then settle their spend (``Freed.settle``). One statement less under the run's lock,
+    which every claimer of the run waits for."""
+    freed = Freed(run_id)
+    reset = _freeing.set(freed)
     try:
         yield freed
     finally:
@@ -347,12 +366,32 @@ def settle(run_id: int, token: uuid.UUID, outcomes: Sequence[ExecutionOutcome]) 
         if not written:
             _note_failed([o for o in mine if o.kind in (FAILED, RETRY)])
             _write_outcomes(mine)
-        if written and freeing is not None and _only_run_slots(rows, freeing[0]):
-            freeing[1][freeing[0]] += len(rows)
-        else:
-            _leave(rows, keep_run_slot=[o.pk for o in mine if o.kind == SPAWNED])
+        accounted = any(o.accounted for o in mine)
+        if written and freeing is not None and _only_run_slots(rows, freeing.run_id):
+            freeing.slots[freeing.run_id] += len(rows)
+            if accounted:
+                # Settling locks the run's budget, which comes after the run's row in the lock
+                # order: the claim settles it once it holds the row.
+                freeing.then.append(partial(spend.settle, rows, mine))
+            return [o.pk for o in mine]
+        spawned = {o.pk for o in mine if o.kind == SPAWNED}
+        if spawned and accounted:
+            # They keep their run slots, so giving up their pools' would lock a pool and not
+            # the run, whose budget their spend then settles on: the run's row comes first in
+            # the lock order, as a claimer of the run holds it.
+            _lock_runs({run for pk, run, _ in rows if pk in spawned})
+        _leave(rows, keep_run_slot=spawned)
         spend.settle(rows, mine)
     return [o.pk for o in mine]
+
+
+def _lock_runs(run_ids: Iterable[int]) -> None:
+    """Lock the runs' rows for this transaction, in the order every transaction keeps."""
+    runs = BatchRun.objects.filter(pk__in=sorted(run_ids)).order_by("pk")
+    if connection.features.has_select_for_update:
+        no_key = connection.features.has_select_for_no_key_update
+        runs = runs.select_for_update(no_key=no_key)
+    list(runs.values_list("pk", flat=True))
 
 
 def _only_run_slots(rows: Sequence[tuple[int, int, str]], run_id: int) -> bool:

@@ -310,3 +310,17 @@ def test_a_drain_job_that_spends_its_time_budget_re_enqueues_itself_until_the_ru
 
     assert_succeeded_once_each(run.pk, 60)
     assert len(drain_jobs(redis, run.pk) - first_jobs) >= 2
+
+
+def test_a_workers_log_names_the_queue_once_before_each_drain_job(processes: Any) -> None:
+    (worker,) = processes.workers(1)
+    parent = processes.manage(["run_fanout", "rq_items", "--param", "n=2", "--executor", "rq"])
+
+    code, log = parent.finish(timeout=120)
+
+    assert code == 0, log
+    lines = [line for line in worker.output().splitlines() if " drain run " in line]
+    assert lines, worker.output()
+    # RQ puts the queue's name ("fanout:") before the job's description itself.
+    assert all("fanout: fanout:" not in line for line in lines), lines
+    assert any(": fanout: drain run " in line for line in lines), lines

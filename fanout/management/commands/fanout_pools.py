@@ -6,8 +6,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count
-from django.utils import timezone
 
+from fanout.clock import db_now
 from fanout.errors import FanoutError
 from fanout.models import CapacityPool, ItemClaim, ItemStatus
 from fanout.pools import sync_pools
@@ -35,7 +35,7 @@ class Command(BaseCommand):
                 f"pools created: {', '.join(created) or 'none'}; "
                 f"updated from FANOUT_POOLS: {', '.join(updated) or 'none'}"
             )
-        now = timezone.now()
+        now = db_now()  # the clock budgets' periods and leases end by
         pools = list(CapacityPool.objects.all())
         states = pool_states([p.name for p in pools], now)
         pending = dict(

@@ -46,17 +46,32 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("run_id", nargs="?", type=int, help="One run, close up.")
+        parser.add_argument(
+            "run_id",
+            nargs="?",
+            type=int,
+            help="Show this run close up: its child runs, the pools its items use and its "
+            "latest failures. Default: list open and recent runs.",
+        )
         parser.add_argument(
             "--since",
             type=_age,
             default=timedelta(hours=24),
+            metavar="AGE",
             help="Also list runs finished this recently: 30m, 12h, 7d (default 24h).",
         )
         parser.add_argument(
-            "--limit", type=_positive(int), default=30, help="Runs listed at most (default 30)."
+            "--limit",
+            type=_positive(int),
+            default=30,
+            metavar="N",
+            help="Runs listed at most, open ones first (default 30).",
         )
-        parser.add_argument("--json", action="store_true", help="Print JSON for scripts.")
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="Print JSON instead of text, for scripts: a list of runs, or the one run.",
+        )
         parser.add_argument(
             "--watch", action="store_true", help="Redraw every --interval seconds until Ctrl-C."
         )
@@ -64,12 +79,14 @@ class Command(BaseCommand):
             "--interval",
             type=_positive(float),
             default=2.0,
+            metavar="SECONDS",
             help="Seconds between redraws with --watch (default 2).",
         )
         parser.add_argument(
             "--count",
             type=_positive(int),
             default=None,
+            metavar="N",
             help="With --watch, stop after this many redraws (default: until Ctrl-C).",
         )
 

@@ -90,7 +90,12 @@ def read_params(definition: FanOut, given: list[tuple[str, str]]) -> dict[str, A
 
 
 class Command(BaseCommand):
-    help = "Create or resume a fan-out run, dispatch its items and report every outcome."
+    help = (
+        "Run a fan-out registered in a fanouts.py (see --list): create the run, or find the "
+        "one with the same run key, dispatch its items, show progress and report every "
+        "outcome. Exit status: 0 succeeded, 1 failed, cancelled or interrupted, 2 usage "
+        "error, 3 empty work list refused, 4 compensated (docs/run-fanout.md)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         _add_what_to_run(parser)
@@ -353,7 +358,12 @@ class _CtrlC:
 
 
 def _add_what_to_run(parser: CommandParser) -> None:
-    parser.add_argument("name", nargs="?", help="The definition to run (see --list).")
+    parser.add_argument(
+        "name",
+        nargs="?",
+        help="The fan-out to run, as registered in a fanouts.py (see --list). Not needed "
+        "with --resume, --retry-failed or --cancel.",
+    )
     parser.add_argument(
         "--param",
         action="append",
@@ -366,6 +376,7 @@ def _add_what_to_run(parser: CommandParser) -> None:
     )
     parser.add_argument(
         "--run-key",
+        metavar="KEY",
         help="Identity of the run: starting the same key again "
         "returns the same run. Default: the definition's name and params.",
     )
@@ -373,7 +384,9 @@ def _add_what_to_run(parser: CommandParser) -> None:
         "--max-parallel",
         type=positive_int,
         default=None,
-        help="In-flight cap for a new run. Default: the definition's.",
+        metavar="N",
+        help="Items of a new run running at once (a resumed run keeps its own). "
+        "Default: the definition's max_parallel.",
     )
     parser.add_argument(
         "--max-spend",
@@ -398,12 +411,14 @@ def _add_how_to_run(parser: CommandParser) -> None:
         "--workers",
         type=positive_int,
         default=None,
+        metavar="N",
         help="Worker threads (inline) or drain jobs (rq). Default: max_parallel, at most 16.",
     )
     parser.add_argument(
         "--no-wait",
         action="store_true",
-        help="Return once dispatched, printing the run id (rq). Default: wait.",
+        help="Return once dispatched, printing the run id (needs --executor rq). Default: "
+        "wait, showing progress.",
     )
     parser.add_argument(
         "--json",
@@ -414,7 +429,11 @@ def _add_how_to_run(parser: CommandParser) -> None:
 
 def _add_an_existing_run(parser: CommandParser) -> None:
     for flag, says in (
-        ("--resume", "Attach to an existing run and dispatch what remains."),
+        (
+            "--resume",
+            "Pick up an existing run (after Ctrl-C, a crash, or to follow an rq run): "
+            "dispatch what remains and wait for its end.",
+        ),
         ("--retry-failed", "Put the run's failed items back to pending and run them again."),
         (
             "--cancel",
@@ -429,18 +448,22 @@ def _add_an_existing_run(parser: CommandParser) -> None:
         help="With --cancel: undo the run's succeeded items with its definition's "
         "compensate= instead of leaving them. Default: off.",
     )
-    parser.add_argument("--list", action="store_true", help="List the registered definitions.")
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="List the registered fan-outs with their pool and limits, and exit.",
+    )
 
 
 def _end(run: BatchRun, report: dict[str, Any], executor: str, interrupted: bool) -> None:
     """Say how the run ended, by exit code, unless it succeeded."""
     if interrupted and executor == "rq":
-        raise CommandError(f"detached from run {run.pk}, which goes on", returncode=1)
+        raise RunEnded(f"detached from run {run.pk}, which goes on", returncode=EXIT_FAILED)
     if interrupted:
-        raise CommandError(
+        raise RunEnded(
             f"interrupted: run {run.pk} is {run.status}; pick it up with "
             f"run_fanout --resume {run.pk}",
-            returncode=1,
+            returncode=EXIT_FAILED,
         )
     if report["status"] != RunStatus.SUCCEEDED:
         raise RunEnded(

@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fanout", "0019_run_counts_index"),
+        ("fanout", "0021_spend_no_cost_is_null"),
     ]
 
     operations = [

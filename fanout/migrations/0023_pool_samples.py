@@ -34,7 +34,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("fanout", "0020_sample_budget"),
+        ("fanout", "0022_sample_budget"),
     ]
 
     operations = [
