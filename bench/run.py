@@ -1971,6 +1971,7 @@ def report_consecutive(res: dict[str, Any]) -> list[str]:
 
 CHART_LIFE = 3000  # seconds: the run ends now and began 50 minutes ago, so the pool's hour has it
 CHART_POOL = "bench-charts"
+POOL_HOUR = 3600  # seconds: the pool page's last hour
 
 
 def chart_items_insert(n: int) -> str:
@@ -2008,14 +2009,14 @@ def chart_items_insert(n: int) -> str:
 
 def chart_run(n: int) -> tuple[int, int]:
     """A finished run of n items (and a sample every 10 s of its waits and of the items that
-    ended), and its pool."""
+    ended), and its pool (with a sample every 10 s of its admissions)."""
     from datetime import timedelta
 
     from django.db import connection
     from django.utils import timezone
 
-    from fanout.models import BatchRun, CapacityPool, RunSample
-    from fanout.sample import tally
+    from fanout.models import BatchRun, CapacityPool, PoolSample, RunSample
+    from fanout.sample import admitted, tally
 
     now = timezone.now()
     start = now - timedelta(seconds=CHART_LIFE)
@@ -2057,6 +2058,25 @@ def chart_run(n: int) -> tuple[int, int]:
         samples.append(sample)
         since = sample.upto
     RunSample.objects.bulk_create(samples)
+    # As the supervisor samples the pool: a window every 10 s since before the pool page's
+    # hour, each counting the items claimed in it (fanout.sample.admitted, the same query).
+    windows, since = [], None
+    for s in range(-POOL_HOUR - 60, 1, 10):
+        at = now + timedelta(seconds=s)
+        upto = at - timedelta(seconds=10)
+        since = since or upto - timedelta(seconds=10)
+        windows.append(
+            PoolSample(
+                pool=pool,
+                at=at,
+                in_flight=40 + s % 24,
+                since=since,
+                upto=upto,
+                admitted=admitted(pool.name, since, upto),
+            )
+        )
+        since = upto
+    PoolSample.objects.bulk_create(windows)
     analyze()
     return run.pk, pool.pk
 
@@ -2131,6 +2151,17 @@ def phase_charts(cfg: argparse.Namespace) -> dict[str, Any]:
                 found["pool"][-1]["seconds"],
             )
         )
+    # The same pool page without its samples: drawn from the items, as before them.
+    from fanout.models import PoolSample
+
+    PoolSample.objects.all().delete()
+    found["pool_items"] = []
+    for r in range(cfg.repeats):
+        found["pool_items"].append(timed_page(client, pool_url))
+        log(
+            f"  #{r + 1} pool page from its items (samples deleted) "
+            f"{found['pool_items'][-1]['seconds']:.3f} s"
+        )
     reset_tables()
     out: dict[str, Any] = {
         "items": n,
@@ -2165,8 +2196,11 @@ def report_charts(res: dict[str, Any]) -> list[str]:
         "run_cold": "run page, cold",
         "run_cached": "run page, cached",
         "pool": "pool page",
+        "pool_items": "pool page, from items",
     }
     for key, name in names.items():
+        if key not in ch:
+            continue
         v = ch[key]
         lines.append(
             f"{name:>24}{v['seconds']['median']:>9.3f}{fmt_span(v['seconds'], s3):>16}"
@@ -2224,23 +2258,36 @@ def claims_summary(loops: list[dict[str, Any]]) -> dict[str, Any]:
 
 def prune_beside(cfg: argparse.Namespace, batch: int, pause: float, logdir: Path) -> dict[str, Any]:
     """Fill cfg.retention_rows finished item rows, then prune them with ``manage.py
-    fanout_prune`` in a subprocess while the claim loop drains a run beside it."""
+    fanout_prune`` in a subprocess while the claim loop drains a run beside it. The loop runs
+    alone too, in turns with the loop beside the prune: the prune is stopped (SIGSTOP) between
+    two of its transactions while the loop runs alone, so that the two are measured under the
+    same load of a shared machine. The fill has settled first (its rows vacuumed, a
+    checkpoint): what it leaves to do is not counted against the prune."""
     add_terminal_rows(cfg.retention_rows)
+    settle()
     log_path = logdir / f"prune-{batch}-{pause:g}.log"
     cmd = [sys.executable, "manage.py", "fanout_prune", "--older-than", "0s", "--batch", str(batch)]
     cmd += ["--pause", f"{pause:g}", "--json"]
     t0 = time.monotonic()
     proc = spawn(cmd, log_path)
-    loops = []
+    loops, alone, stopped = [], [], 0.0
     try:
         while proc.poll() is None:
             loops.append(claim_loop(cfg.retention_chunk, warmup=2))
+            t_stop = time.monotonic()
+            if not freeze(proc):
+                break  # it ended
+            try:
+                alone.append(claim_loop(cfg.retention_chunk, warmup=2))
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+                stopped += time.monotonic() - t_stop
         proc.wait()
     finally:
         _stop_process(proc)
         if proc in _children:
             _children.remove(proc)
-    seconds = time.monotonic() - t0
+    seconds = time.monotonic() - t0 - stopped
     if proc.returncode != 0 or not loops:
         raise RuntimeError(f"fanout_prune exited {proc.returncode}: {log_path.read_text()[-800:]}")
     report = json.loads(log_path.read_text().strip().splitlines()[-1])
@@ -2251,21 +2298,69 @@ def prune_beside(cfg: argparse.Namespace, batch: int, pause: float, logdir: Path
         "prune_s": seconds,
         "rows_per_s": report["items"] / seconds,
         **claims_summary(loops),
+        "interleaved": alone,
     }
+
+
+def freeze(proc: subprocess.Popen) -> bool:
+    """Stop the prune while it rests between two transactions (a stopped transaction would
+    hold its locks); False if it ended first."""
+    while proc.poll() is None:
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.05)  # a statement it sent just before has begun by now
+        if not prune_in_transaction():
+            return True
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.02)
+    return False
+
+
+def prune_in_transaction() -> bool:
+    """Whether another connection to the bench database (the prune's) is in a transaction."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        if is_mariadb():
+            cur.execute(
+                "SELECT count(*) FROM information_schema.innodb_trx t "
+                "JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id "
+                "WHERE p.db = DATABASE() AND p.id <> CONNECTION_ID()"
+            )
+        else:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend' "
+                "AND state <> 'idle'"
+            )
+        return bool(cur.fetchone()[0])
+
+
+def settle() -> None:
+    """Vacuum and analyze the items just written and checkpoint: on PostgreSQL the first
+    reads of fresh rows write their hint bits, and their WAL brings a checkpoint."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        if is_mariadb():
+            cur.execute("ANALYZE TABLE fanout_itemclaim, fanout_batchrun")
+            cur.fetchall()
+            return
+        cur.execute("VACUUM (ANALYZE) fanout_itemclaim")
+        cur.execute("VACUUM (ANALYZE) fanout_batchrun")
+        cur.execute("CHECKPOINT")
 
 
 def phase_retention(cfg: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     """A prune of cfg.retention_rows finished item rows beside a per-item run: its rows per
     second, and the run's throughput and claim p99 against the same loop with no prune
-    beside it, measured just before and just after (the load of a shared machine drifts)."""
+    beside it, measured in turns with it (the load of a shared machine drifts)."""
     reset_tables()
     out: dict[str, Any] = {"rows": cfg.retention_rows, "pruned": []}
-    alone = [claim_loop(cfg.retention_alone)]
     tries = [(b, p) for b in cfg.retention_batches for p in cfg.retention_pauses]
     for batch, pause in tries:
         beside = retry_db("retention", partial(prune_beside, cfg, batch, pause, logdir))
-        alone.append(claim_loop(cfg.retention_alone))
-        base = claims_summary(alone[-2:])
+        # A prune that ended before the loop had its turn alone: alone just after it.
+        base = claims_summary(beside.pop("interleaved") or [claim_loop(cfg.retention_alone)])
         beside["p99_ratio"] = beside["p99_ms"] / base["p99_ms"]
         beside["throughput_ratio"] = base["items_per_s"] / beside["items_per_s"]
         beside["alone"] = base
@@ -2288,7 +2383,7 @@ def report_retention(res: dict[str, Any]) -> list[str]:
         return []
     lines = [
         f"9. fanout_prune of {rt['rows']:,} finished item rows beside a per-item run "
-        "(one claimer), against the same run alone just before and after",
+        "(one claimer), against the same run alone in turns with it (the prune stopped)",
         f"{'batch':>7}{'pause':>7}{'rows/s':>10}{'items/s beside':>16}{'alone':>8}"
         f"{'claim p99 beside':>18}"
         f"{'alone':>8}{'p99 ratio':>11}{'slowdown':>10}",

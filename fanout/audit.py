@@ -168,11 +168,12 @@ def take_pools(limit: int = POOLS_PER_SWEEP) -> list[str]:
     return names
 
 
-def audit(run_ids: Sequence[int]) -> list[Drift]:
-    """Recount the runs a supervisor took up, then the pools it is elected to audit; a failure
-    on one counter does not stop the others."""
+def audit(run_ids: Sequence[int], pools: Sequence[str] | None = None) -> list[Drift]:
+    """Recount the runs a supervisor took up, then the pools it is elected to audit (taken
+    here unless given); a failure on one counter does not stop the others."""
     found = [_safely(audit_run, run_id) for run_id in run_ids]
-    found += [_safely(audit_pool, name) for name in _safely(take_pools) or ()]
+    names = (_safely(take_pools) or ()) if pools is None else pools
+    found += [_safely(audit_pool, name) for name in names]
     return [d for d in found if d is not None]
 
 

@@ -23,7 +23,13 @@ from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, W
 from django.db.models.functions import RowNumber
 
 from .backends import backend
-from .models import BatchRun, ItemClaim, ItemStatus, RunSample
+from .models import (
+    BatchRun,
+    ItemClaim,
+    ItemStatus,
+    PoolSample,
+    RunSample,
+)
 from .sample import WAITS
 from .tally import (
     ATTEMPTS_SHOWN,
@@ -313,19 +319,40 @@ POOL_WINDOW = timedelta(hours=1)
 @dataclass
 class PoolCharts:
     axis: TimeAxis
-    in_flight: list[int]  # items of the pool running at the end of each bucket
+    # Items of the pool running at the end of each bucket; from samples, at the last sample
+    # taken in it (None where none was) and now for the last bucket.
+    in_flight: list[int | None]
     admitted: list[int]  # items claimed in each bucket
+    sampled: bool = False  # drawn from the pool's samples, not its items
 
     @property
     def seconds(self) -> float:
         return self.axis.step.total_seconds()
 
 
+class PoolWindow(NamedTuple):
+    at: datetime
+    in_flight: int
+    since: datetime
+    upto: datetime
+    admitted: int
+
+
 def pool_charts(name: str, now: datetime) -> PoolCharts:
-    """The pool page's last hour in one pass over the items that were claimed in it or held
-    a slot in it: admissions are the claims per bucket, and the items in flight at the end of
-    a bucket those claimed before it and not yet ended."""
+    """The pool page's last hour. From the pool's samples when their windows reach back to the
+    hour's start, in three queries whatever the pool ran: its samples, the items it admitted
+    after the last one, and its items running now. Else in one pass over the items that were
+    claimed in the hour or held a slot in it: admissions are the claims per bucket, and the
+    items in flight at the end of a bucket those claimed before it and not yet ended."""
     axis = TimeAxis.over(now - POOL_WINDOW, now)
+    samples = [
+        PoolWindow(*row)
+        for row in PoolSample.objects.filter(pool__name=name, upto__gt=axis.start, at__lte=now)
+        .order_by("at", "pk")
+        .values_list("at", "in_flight", "since", "upto", "admitted")
+    ]
+    if samples and samples[0].since <= axis.start:
+        return _sampled_pool(name, axis, samples, now)
     admitted = [0] * axis.count
     claimed, ended_in = [0] * (axis.count + 1), [0] * (axis.count + 1)
     for c, f, held, n in _pool_rows(name, axis, now):
@@ -337,8 +364,39 @@ def pool_charts(name: str, now: datetime) -> PoolCharts:
                 ended_in[f] += n
     # By the end of bucket i: claimed in buckets 0..i + 1, less ended in them.
     started, stopped = list(accumulate(claimed)), list(accumulate(ended_in))
-    in_flight = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
+    in_flight: list[int | None] = [started[i + 1] - stopped[i + 1] for i in range(axis.count)]
     return PoolCharts(axis, in_flight, admitted)
+
+
+def _sampled_pool(
+    name: str, axis: TimeAxis, samples: list[PoolWindow], now: datetime
+) -> PoolCharts:
+    """Each window's admissions shared among the buckets it covers (the part before the hour
+    left out), the claims after the last window each in its own bucket, and each bucket's
+    last sample of what ran (now's, for the last bucket)."""
+    admitted = [0] * axis.count
+    in_flight: list[int | None] = [None] * axis.count
+    for w in samples:
+        start, n = w.since, w.admitted
+        if start < axis.start:  # the window's share of the hour, in proportion to its time
+            inside = (w.upto - axis.start) / (w.upto - start)
+            start, n = axis.start, round(n * inside)
+        for b, share in _spread(axis, start, w.upto, n):
+            admitted[b] += share
+        in_flight[axis.bucket(w.at)] = w.in_flight
+    items = ItemClaim.objects.filter(pool=name)
+    tail = (
+        items.filter(claimed_at__gt=samples[-1].upto, claimed_at__lte=now)
+        .annotate(c=bucket_of("claimed_at", axis.inner_edges()))
+        .values("c")
+        .annotate(n=Count("pk"))
+        .order_by()
+        .values_list("c", "n")
+    )
+    for b, n in tail:
+        admitted[b] += n
+    in_flight[-1] = items.running().count()
+    return PoolCharts(axis, in_flight, admitted, sampled=True)
 
 
 def _pool_rows(name: str, axis: TimeAxis, now: datetime) -> list[tuple[int, int, int, int]]:

@@ -268,6 +268,8 @@ class ItemClaim(models.Model):
             ),
             # The items a run ended in a window of time: its samples and its charts' tail.
             models.Index(fields=["run", "finished_at"], name="fanout_item_run_finished_idx"),
+            # The items a pool admitted in a window of time: its samples and its chart's tail.
+            models.Index(fields=["pool", "claimed_at"], name="fanout_item_pool_claimed_idx"),
             # A run page's counts by status and pool and of its failures by error class have
             # indexes of their own that differ by database, made by migration 0019.
         ]
@@ -324,6 +326,8 @@ class RunSample(models.Model):
     pool_full = models.PositiveIntegerField(default=0)  # due, their pool has no free slot
     rate_limited = models.PositiveIntegerField(default=0)  # due, their pool's rate holds them
     throttled = models.PositiveIntegerField(default=0)  # due, their pool backs off (Throttled)
+    # Due, a budget holds them: their pool's is spent, or their run's (max_spend).
+    budget = models.PositiveIntegerField(default=0, db_default=0)
     paused = models.PositiveIntegerField(default=0)  # due, their pool is paused or missing
     child_runs = models.PositiveIntegerField(default=0)  # handed to a child run (Item.spawn)
     # The items that ended in a window of the run's life: (the previous sample's upto, upto].
@@ -413,6 +417,33 @@ class CapacityPool(models.Model):
             return "unlimited"
         unit = f" {self.rate_unit}" if self.rate_unit else ""
         return f"{self.rate_count}{unit}/{self.rate_period:g}s (burst {self.capacity}{unit})"
+
+
+class PoolSample(models.Model):
+    """A pool at one moment: its items running, and the items it admitted in a window of time,
+    (since, upto]. The supervisor elected to audit the pool writes one at most every
+    FANOUT_SAMPLE_SECONDS, each window starting where the last ended, so that the pool page
+    draws its last hour from a few hundred of these instead of the items that ran in it.
+    A pool keeps its last POOL_SAMPLES_KEPT (fanout.sample) of them."""
+
+    pool = models.ForeignKey(CapacityPool, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField()
+    in_flight = models.PositiveIntegerField(default=0)  # its items running at ``at``
+    since = models.DateTimeField()
+    upto = models.DateTimeField()
+    admitted = models.PositiveIntegerField(default=0)  # its items claimed in (since, upto]
+
+    class Meta:
+        ordering = ["pool_id", "at"]
+        indexes = [models.Index(fields=["pool", "at"], name="fanout_poolsample_pool_at_idx")]
+        constraints = [
+            # Two supervisors that sampled the pool at once count one window once: the second
+            # one's row is refused.
+            models.UniqueConstraint(fields=["pool", "since"], name="fanout_poolsample_window"),
+        ]
+
+    def __str__(self) -> str:
+        return f"pool {self.pool_id} at {self.at:%H:%M:%S}"
 
 
 class SpendAccount(models.Model):

@@ -1,4 +1,5 @@
-"""Sample what a running run's unfinished items wait on, for the run page's chart.
+"""Sample what a running run's unfinished items wait on, for the run page's chart, and a
+pool's admissions, for the pool page's.
 
 The item rows say why an item waits only now; a RunSample keeps that answer for a moment of
 the run's life. The supervisor that tends a running run writes one at most every
@@ -10,6 +11,9 @@ upto], with upto SAMPLE_SECONDS behind the sample and, for a batched run, before
 start of its items in flight, so that outcomes written late (a batch's, recorded when the batch
 ends) are in: summed, the samples draw the run's throughput, durations and attempts without
 reading its items.
+
+A pool is sampled the same way (PoolSample), by the supervisor elected to audit it: its running
+items, and the items it admitted in a window, for the pool page's last hour.
 """
 
 from __future__ import annotations
@@ -17,14 +21,15 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Min, Q
 
 from .clock import db_now
 from .conf import conf
 from .definition import get_definition
 from .errors import FanoutError
-from .models import BatchRun, ItemClaim, ItemStatus, RunSample, RunStatus
+from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, PoolSample, RunSample, RunStatus
+from .spend import run_hold
 from .tally import Ended, ended
 from .waiting import PoolState, pool_states
 
@@ -36,6 +41,7 @@ WAITS = (
     "pool_full",
     "rate_limited",
     "throttled",
+    "budget",
     "paused",
     "retry_due",
     "child_runs",
@@ -121,18 +127,24 @@ def tally(sample: RunSample, run: BatchRun, since: datetime | None, upto: dateti
 
 
 def measure(run: BatchRun, now: datetime) -> RunSample:
-    """What the run's unfinished items are doing at ``now``, in two queries (and the pools')."""
+    """What the run's unfinished items are doing at ``now``, in two queries (and the pools',
+    and the run's budget's when it has due items that no pool holds)."""
     by_pool = _unfinished_by_pool(run, now)
     states = pool_states(list(by_pool), now)
     sample = RunSample(run_id=run.pk, at=now)
     # What holds the run's slots: a claimable item beyond them waits for max_parallel.
     held = sum(r["running"] + r["children"] for r in by_pool.values())
     at_limit = held >= run.max_parallel
+    spent: bool | None = None  # the run's own budget holds its due items: read when needed
     for name, r in by_pool.items():
         sample.running += r["running"]
         sample.retry_due += r["later"]
         sample.child_runs += r["children"]
         field = _waits_on(states.get(name), at_limit)
+        if field == "ready" and r["due"]:
+            # The claim asks the run's budget after its max_parallel, before it admits one.
+            spent = bool(run_hold(run.pk, now)) if spent is None else spent
+            field = "budget" if spent else field
         setattr(sample, field, getattr(sample, field) + r["due"])
     return sample
 
@@ -167,4 +179,53 @@ def _waits_on(state: PoolState | None, at_limit: bool) -> str:
         return "pool_full"
     if reason.startswith("throttled"):
         return "throttled"
+    if reason.startswith("budget"):  # fanout.cost.describe: the pool's budget is spent
+        return "budget"
     return "rate_limited"
+
+
+# ----------------------------------------------------------------------------------- pools
+
+# A pool's samples older than this are deleted as new ones are written: the page draws an hour.
+POOL_SAMPLES_KEPT = timedelta(hours=2)
+# The longest window a pool sample counts: a pool nobody sampled for longer starts afresh.
+POOL_WINDOW_MAX = timedelta(hours=1)
+
+
+def sample_pool(pool: CapacityPool, now: datetime | None = None) -> PoolSample | None:
+    """Write a sample of the pool unless its last one is younger than SAMPLE_SECONDS: its
+    running items now, and the items it admitted since the last sample's window, up to
+    SAMPLE_SECONDS ago (a claim's time is its transaction's: one that commits a moment after
+    it began is in). The supervisor elected to audit the pool calls it; two at once count a
+    window once (the second's row is refused)."""
+    now = now or db_now()
+    seconds = timedelta(seconds=float(conf.SAMPLE_SECONDS))
+    last = PoolSample.objects.filter(pool=pool).order_by("-at", "-pk")
+    previous = last.values_list("at", "upto").first()
+    if previous is not None and previous[0] > now - seconds:
+        return None
+    upto = now - seconds
+    since = upto - seconds if previous is None else max(previous[1], upto - POOL_WINDOW_MAX)
+    if since >= upto:
+        return None
+    sample = PoolSample(
+        pool=pool,
+        at=now,
+        in_flight=ItemClaim.objects.filter(pool=pool.name).running().count(),
+        since=since,
+        upto=upto,
+        admitted=admitted(pool.name, since, upto),
+    )
+    try:
+        with transaction.atomic():
+            sample.save()
+    except IntegrityError:
+        return None  # another supervisor counted this window
+    PoolSample.objects.filter(pool=pool, at__lt=now - POOL_SAMPLES_KEPT).delete()
+    return sample
+
+
+def admitted(pool: str, since: datetime, upto: datetime) -> int:
+    """The pool's items claimed in (since, upto]: one count over the (pool, claimed_at) index."""
+    items = ItemClaim.objects.filter(pool=pool, claimed_at__gt=since, claimed_at__lte=upto)
+    return items.count()

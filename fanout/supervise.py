@@ -16,7 +16,8 @@ UPDATE (the fleet's election: each run is looked at by one process at a time), a
 - a running run gets a sample of what its items wait on (fanout.sample), at a bounded rate.
 
 After tending, it audits the in_flight counters of the runs it took and of a few pools (each
-pool by one supervisor per period) against their rows, and corrects any drift (fanout.audit).
+pool by one supervisor per period) against their rows, and corrects any drift (fanout.audit);
+each of those pools gets a sample of its admissions (fanout.sample), at a bounded rate.
 
 It needs no cron and no parent, and Redis may lose everything: the rows say what to do.
 """
@@ -33,7 +34,7 @@ from django.db.models import Q
 from redis.exceptions import RedisError
 
 from . import launch
-from .audit import audit
+from .audit import audit, take_pools
 from .backends import backend
 from .clock import DbNow, db_now_plus
 from .compensate import finish, release_lost
@@ -42,10 +43,10 @@ from .definition import FanOut, get_definition, unknown_here
 from .errors import FanoutError
 from .join import maybe_join, resolve_waiting
 from .materialize import WritingInterrupted, materialize
-from .models import BatchRun, ItemClaim, RunStatus
+from .models import BatchRun, CapacityPool, ItemClaim, RunStatus
 from .prune import prune_by_retention
 from .queues import enqueue_drains, get_queue, reap_slots
-from .sample import sample_run
+from .sample import sample_pool, sample_run
 from .stall import STALL_BACKOFF, STALL_BACKOFF_MAX, clear_stall, note_stall
 
 logger = logging.getLogger("fanout")
@@ -233,8 +234,24 @@ def sweep() -> list[tuple[int, str]]:
             done.append((run_id, tend(run_id)))
         except Exception:
             logger.exception("run %s: supervision failed", run_id)
-    audit(taken)  # the counters of what it took up, and of the pools it is elected to
+    pools = _sample_pools()
+    audit(taken, pools)  # the counters of what it took up, and of the pools it is elected to
     return done
+
+
+def _sample_pools() -> list[str]:
+    """Take the pools this supervisor is elected to audit, and sample each (fanout.sample)."""
+    try:
+        names = take_pools()
+    except Exception:  # the database is down or restarting: the next round takes them
+        logger.exception("taking pools to audit failed")
+        return []
+    for pool in CapacityPool.objects.filter(name__in=names):
+        try:
+            sample_pool(pool)
+        except Exception:
+            logger.exception("pool %s: sampling failed", pool.name)
+    return names
 
 
 def prune_round() -> None:

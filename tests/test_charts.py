@@ -33,10 +33,19 @@ from fanout.charts import (
     run_axis,
     run_charts,
 )
-from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunSample, RunStatus
+from fanout.models import (
+    BatchRun,
+    CapacityPool,
+    ItemClaim,
+    ItemStatus,
+    PoolSample,
+    RunSample,
+    RunStatus,
+    SpendAccount,
+)
 from fanout.prune import prune_tree
-from fanout.sample import WAITS, measure, sample_run
-from fanout.supervise import tend
+from fanout.sample import WAITS, measure, sample_pool, sample_run
+from fanout.supervise import sweep, tend
 from fanout.tally import ended
 
 pytestmark = pytest.mark.django_db
@@ -49,7 +58,11 @@ pytestmark = pytest.mark.django_db
 PLAN = 1 if connection.vendor == "postgresql" else 0
 RUN_CHART_QUERIES = 4 + PLAN
 SAMPLED_RUN_CHART_QUERIES = 3 + PLAN
-POOL_CHART_QUERIES = 1 + PLAN
+# A pool's last hour: its samples, and when they do not reach back to the hour's start (no
+# supervisor sampled it then), one pass over its items; when they do, the items it admitted
+# after the last sample and its items running now, whatever it ran in the hour.
+POOL_CHART_QUERIES = 2 + PLAN
+SAMPLED_POOL_CHART_QUERIES = 3
 
 
 def whole(t: datetime) -> datetime:
@@ -238,12 +251,46 @@ def test_a_sample_counts_what_each_unfinished_item_waits_on() -> None:
         "pool_full": 4,
         "rate_limited": 3,
         "throttled": 2,
+        "budget": 0,
         "paused": 5 + 1,
         "retry_due": 7,
         "child_runs": 3,
     }
     run.max_parallel = 6  # 3 running and 3 in child runs hold every slot
     assert measure(run, now).max_parallel == 7 and measure(run, now).ready == 0
+
+
+def test_a_sample_counts_items_a_budget_holds_as_budget_not_rate() -> None:
+    """A pool whose budget is spent, and a run whose own budget is spent, hold their due items
+    for the budget: neither is the pool's rate."""
+    now = whole(timezone.now())
+    CapacityPool.objects.create(name="charts-spent", max_concurrency=50)
+    SpendAccount.objects.create(pool="charts-spent", unit="usd", budget=1.0, spent=1.0)
+    CapacityPool.objects.create(
+        name="charts-rate", rate_count=1, rate_period=60, tokens=0, tokens_at=now
+    )
+    pooled = new_run(RunStatus.RUNNING, max_parallel=100)
+    capped = new_run(RunStatus.RUNNING, max_parallel=100)
+    SpendAccount.objects.create(run=capped, unit="usd", budget=2.0, spent=2.0)
+    due = now - timedelta(seconds=1)
+    shape = [
+        (pooled, "charts-spent", 4),
+        (pooled, "charts-rate", 3),
+        (pooled, "", 2),
+        (capped, "", 5),
+        (capped, "charts-rate", 1),
+    ]
+    rows = []
+    for run, pool, n in shape:
+        for _ in range(n):
+            i = len(rows)
+            rows.append(ItemClaim(run=run, key=f"k{i}", index=i, pool=pool, next_attempt_at=due))
+    ItemClaim.objects.bulk_create(rows)
+
+    first, second = measure(pooled, now), measure(capped, now)
+
+    assert (first.budget, first.rate_limited, first.ready) == (4, 3, 2)
+    assert (second.budget, second.rate_limited, second.ready) == (5, 1, 0)
 
 
 def test_a_run_is_sampled_at_most_once_per_period_and_only_while_it_runs(settings: Any) -> None:
@@ -324,11 +371,8 @@ def test_a_trees_child_runs_are_listed_first_started_first() -> None:
     assert {c["definition"] for c in children} == {"charts-child"}
 
 
-def test_a_pools_last_hour_matches_its_rows_in_one_query(
-    django_assert_num_queries: Any,
-) -> None:
-    now = whole(timezone.now())
-    CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+def pool_items(now: datetime, pool: str = "charts-pool") -> list[ItemClaim]:
+    """400 items of the pool claimed over the last 90 minutes, most ended, some running."""
     run = new_run(minutes=90)
     rng = random.Random(3)
     rows = []
@@ -343,7 +387,7 @@ def test_a_pools_last_hour_matches_its_rows_in_one_query(
                 run=run,
                 key=f"p{i}",
                 index=i,
-                pool="charts-pool",
+                pool=pool,
                 status=ItemStatus.SUCCEEDED if finished else ItemStatus.RUNNING,
                 claimed_at=whole(claimed),
                 started_at=whole(claimed),
@@ -355,24 +399,116 @@ def test_a_pools_last_hour_matches_its_rows_in_one_query(
     ItemClaim.objects.create(
         run=run, key="other", index=999, pool="x", claimed_at=now, status=ItemStatus.RUNNING
     )
+    return rows
+
+
+def admissions(rows: list[ItemClaim], axis: TimeAxis, now: datetime) -> list[int]:
+    """The items claimed in each bucket of the axis, counted from the rows."""
+    admitted = Counter(
+        min(int((r.claimed_at - axis.start) / axis.step), axis.count - 1)
+        for r in rows
+        if r.claimed_at and axis.start <= r.claimed_at <= now
+    )
+    return [admitted[b] for b in range(axis.count)]
+
+
+def test_an_unsampled_pools_last_hour_matches_its_rows_in_a_named_number_of_queries(
+    django_assert_num_queries: Any,
+) -> None:
+    now = whole(timezone.now())
+    CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    rows = pool_items(now)
 
     with django_assert_num_queries(POOL_CHART_QUERIES):
         charts = pool_charts("charts-pool", now)
 
     axis = charts.axis
     assert axis.count == 60 and axis.step == timedelta(minutes=1)
-    admitted = Counter(
-        min(int((r.claimed_at - axis.start) / axis.step), axis.count - 1)
-        for r in rows
-        if axis.start <= r.claimed_at <= now
-    )
-    assert charts.admitted == [admitted[b] for b in range(axis.count)]
+    assert not charts.sampled
+    assert charts.admitted == admissions(rows, axis, now)
     ends = [t + axis.step for t in axis.times()]
     ends[-1] = now
     assert charts.in_flight == [
         sum(1 for r in rows if r.claimed_at < t and (r.finished_at is None or r.finished_at >= t))
         for t in ends
     ]
+
+
+def test_a_sampled_pools_last_hour_matches_its_rows_in_a_named_number_of_queries(
+    settings: Any, django_assert_num_queries: Any
+) -> None:
+    """Sampled every 10 s over the hour as the supervisor samples it, the pool's admissions
+    are its rows', bucket by bucket, without reading the items its samples counted."""
+    settings.FANOUT_SAMPLE_SECONDS = 10
+    now = whole(timezone.now())
+    pool = CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    rows = pool_items(now)
+    for back in range(3600, -1, -10):
+        assert sample_pool(pool, now - timedelta(seconds=back)) is not None
+    samples = list(PoolSample.objects.filter(pool=pool).order_by("at"))
+    assert all(a.upto == b.since for a, b in zip(samples, samples[1:], strict=False))
+    running = sum(1 for r in rows if r.status == ItemStatus.RUNNING)
+    assert {s.in_flight for s in samples} == {running}  # this pool's, not pool x's
+
+    with django_assert_num_queries(SAMPLED_POOL_CHART_QUERIES):
+        charts = pool_charts("charts-pool", now)
+
+    assert charts.sampled
+    assert charts.admitted == admissions(rows, charts.axis, now)
+    assert charts.in_flight == [running] * charts.axis.count
+    PoolSample.objects.all().delete()
+    assert pool_charts("charts-pool", now).admitted == charts.admitted  # read from the items
+
+
+def test_a_pools_in_flight_is_its_last_sample_in_each_bucket_and_its_running_items_now() -> None:
+    now = whole(timezone.now())
+    pool = CapacityPool.objects.create(name="charts-pool", max_concurrency=20)
+    run = new_run(RunStatus.RUNNING)
+    ItemClaim.objects.create(run=run, key="a", index=0, pool="charts-pool", status="running")
+    start = now - timedelta(hours=1)
+    # A sample every 20 s for the first half hour, then none: nobody sampled the pool.
+    PoolSample.objects.bulk_create(
+        PoolSample(
+            pool=pool,
+            at=start + timedelta(seconds=s),
+            in_flight=s // 20,
+            since=start + timedelta(seconds=s - 30),
+            upto=start + timedelta(seconds=s - 10),
+        )
+        for s in range(0, 1800, 20)
+    )
+
+    charts = pool_charts("charts-pool", now)
+
+    assert charts.in_flight[:30] == [(60 * b + 40) // 20 for b in range(30)]
+    assert charts.in_flight[30:-1] == [None] * 29
+    assert charts.in_flight[-1] == 1
+
+
+def test_a_pool_is_sampled_at_most_once_per_period_and_keeps_two_hours(settings: Any) -> None:
+    settings.FANOUT_SAMPLE_SECONDS = 10
+    now = whole(timezone.now())
+    pool = CapacityPool.objects.create(name="charts-pool")
+    old = PoolSample.objects.create(
+        pool=pool, at=now - timedelta(hours=3), since=now - timedelta(hours=4), upto=now
+    )
+    PoolSample.objects.filter(pk=old.pk).update(upto=now - timedelta(hours=3, seconds=10))
+
+    first = sample_pool(pool, now)
+    assert first is not None and first.since == now - timedelta(hours=1, seconds=10)
+    assert sample_pool(pool, now + timedelta(seconds=9)) is None
+    second = sample_pool(pool, now + timedelta(seconds=11))
+    assert second is not None and second.since == first.upto
+    assert list(PoolSample.objects.order_by("at")) == [first, second]
+
+
+def test_the_supervisor_elected_to_audit_a_pool_samples_it() -> None:
+    pool = CapacityPool.objects.create(name="charts-pool")
+
+    sweep()
+    sweep()  # the pool is audited by one supervisor per period: not taken again
+
+    assert PoolSample.objects.filter(pool=pool).count() == 1
 
 
 def test_a_pruned_run_takes_its_samples_with_it() -> None:
@@ -409,6 +545,32 @@ def test_the_run_page_and_the_pool_page_draw_their_charts(admin_client: Any) -> 
     pool_html = pool_page.content.decode()
     assert 'data-chart="pool-in-flight"' in pool_html and 'data-chart="pool-admitted"' in pool_html
     assert "fanout-chart-limit" in pool_html  # max_concurrency drawn as a line
+
+
+def test_a_sampled_pools_page_draws_its_hour_with_the_minutes_nobody_sampled_left_blank(
+    admin_client: Any,
+) -> None:
+    pool = CapacityPool.objects.create(name="charts-page", max_concurrency=4, rate_count=10)
+    now = whole(timezone.now())
+    start = now - timedelta(hours=1, seconds=30)
+    PoolSample.objects.bulk_create(  # the first half hour sampled, then nobody sampled it
+        PoolSample(
+            pool=pool,
+            at=start + timedelta(seconds=s + 10),
+            in_flight=s % 5,
+            since=start + timedelta(seconds=s - 10),
+            upto=start + timedelta(seconds=s),
+            admitted=s % 7,
+        )
+        for s in range(0, 1800, 20)
+    )
+
+    page = admin_client.get(reverse("admin:fanout_capacitypool_change", args=[pool.pk]))
+
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'data-chart="pool-in-flight"' in html and 'data-chart="pool-admitted"' in html
+    assert "last sample in each minute" in html
 
 
 def ended_at_odd_times(run: BatchRun, n: int, seed: int = 5) -> list[ItemClaim]:

@@ -32,6 +32,7 @@ WAIT_NAMES = {
     "pool_full": "pool full",
     "rate_limited": "rate limited",
     "throttled": "throttled",
+    "budget": "budget spent",
     "paused": "pool paused or missing",
     "retry_due": "retry not yet due",
     "child_runs": "in a child run",
@@ -271,8 +272,12 @@ def pool_panels(pool: CapacityPool, now: datetime) -> list[dict[str, Any]]:
             "title": "In flight, last hour",
             "svg": svg.bars(in_flight, "Items in flight", ticks, "", names, pool.max_concurrency),
             "legend": "",
-            "note": f"At the end of each minute; the line is max_concurrency "
-            f"({pool.max_concurrency}).",
+            "note": (
+                "The supervisor's last sample in each minute, now's in the last"
+                if c.sampled
+                else "At the end of each minute"
+            )
+            + f"; the line is max_concurrency ({pool.max_concurrency}).",
         },
         {
             "name": "pool-admitted",
