@@ -4,21 +4,30 @@ that finds none in flight goes at once."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from fanout import group_commit
 from fanout.claim import claim
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
-from fanout.models import BatchRun, ItemClaim, ItemStatus
+from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus
 from fanout.transitions import SUCCEEDED, ExecutionOutcome, Handing, HandOver, hand_over_group
+from tests import procs
+from tests.conftest import executions
 from tests.procs import wait_until
+from tests.testapp.models import Execution
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -187,3 +196,140 @@ def test_a_grouped_hand_over_fences_each_item_and_takes_a_next_item_for_each_thr
     }
     run.refresh_from_db()
     assert run.in_flight == 3
+
+
+def hand_overs_waiting(run_id: int) -> list[int]:
+    """Sessions whose grouped hand-over waits for a lock (a statement in flight)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND query LIKE %s",
+            ["%fanout_hand_over_group%"],
+        )
+        return [pid for (pid,) in cursor.fetchall()]
+
+
+class RowHolder(threading.Thread):
+    """Holds one row's lock in a transaction of its own until released."""
+
+    def __init__(self, table: str, where: str, value: Any) -> None:
+        super().__init__()
+        self.sql = f"SELECT 1 FROM {table} WHERE {where} = %s FOR UPDATE"
+        self.value = value
+        self.locked, self.release = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(self.sql, [self.value])
+                self.locked.set()
+                self.release.wait(90)
+        finally:
+            connections["default"].close()
+
+    def __enter__(self) -> RowHolder:
+        self.start()
+        assert self.locked.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.join(30)
+
+
+@pytest.mark.parametrize("ending", ["session ended", "statement finished"])
+def test_a_worker_killed_while_a_shared_hand_over_is_in_flight_loses_all_of_it_or_none(
+    children: list[subprocess.Popen[str]], tmp_path: Path, database_url: str, ending: str
+) -> None:
+    from tests.testapp.fanouts_group import GROUP_POOL, GROUP_POOL_FIRST
+
+    for name in (GROUP_POOL_FIRST, GROUP_POOL):
+        CapacityPool.objects.create(name=name, max_concurrency=8)
+    cues, log = tmp_path / "cues", tmp_path / "worker.log"
+    cues.mkdir()
+    env = procs.child_env(database_url, FANOUT_LOG_LEVEL="DEBUG")
+    command = ["run_fanout", "group_kill", "--param", f"cue_dir={cues}", "--workers", "3"]
+    with open(log, "w") as stderr:
+        worker = subprocess.Popen(
+            [procs.PYTHON, "manage.py", *command],
+            cwd=procs.ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+    children.append(worker)
+    # Three threads each run one of the three items, until cued.
+    procs.wait_until(lambda: Execution.objects.count() == 3, 60, "three items to start")
+    run = BatchRun.objects.get(definition="group_kill")
+    first, *rest = ItemClaim.objects.filter(run=run).order_by("index")
+    assert first.pool == GROUP_POOL_FIRST and {i.pool for i in rest} == {GROUP_POOL}
+
+    # Each finished item gives its slot up (nothing is pending): on the run's row, then on
+    # its pool's. The run's row held here keeps the first item's hand-over in flight while the
+    # two others finish and queue behind it; the second pool's row then keeps their shared
+    # one in flight, with the first of the two written and the second not yet.
+    pool_row = RowHolder("fanout_capacitypool", "name", GROUP_POOL).__enter__()
+    try:
+        with RowHolder("fanout_batchrun", "id", run.pk):
+            (cues / first.key).touch()
+            procs.wait_until(lambda: hand_overs_waiting(run.pk), 30, "the first hand-over")
+            for item in rest:
+                (cues / item.key).touch()
+            procs.wait_until(
+                lambda: log.read_text().count("joins the one in flight") == 2,
+                30,
+                "the two others to queue behind it",
+            )
+        procs.wait_until(
+            lambda: ItemClaim.objects.get(pk=first.pk).status == ItemStatus.SUCCEEDED,
+            30,
+            "the first hand-over to commit",
+        )
+        [backend] = procs.wait_until(
+            lambda: hand_overs_waiting(run.pk), 30, "the shared hand-over to be in flight"
+        )
+
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        if ending == "session ended":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
+    finally:
+        pool_row.__exit__()
+
+    def settled() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [backend])
+            return cursor.fetchone()[0] == 0
+
+    procs.wait_until(settled, 30, "the dead worker's session to end")
+    statuses = {i.status for i in ItemClaim.objects.filter(pk__in=[i.pk for i in rest])}
+    # Never half: both outcomes were committed, or neither was.
+    assert len(statuses) == 1, statuses
+    recorded = statuses == {ItemStatus.SUCCEEDED}
+    if ending == "session ended":
+        assert not recorded, "a statement whose session was ended committed"
+
+    # What was not recorded runs again once its lease runs out; what was, does not.
+    procs.wait_until(
+        lambda: (
+            not ItemClaim.objects.filter(run=run, status=ItemStatus.RUNNING)
+            .exclude(lease_expires_at__lte=timezone.now())
+            .exists()
+        ),
+        30,
+        "the dead worker's leases to run out",
+    )
+    done = procs.manage(["run_fanout", "--resume", str(run.pk), "--workers", "2", "--json"], env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["status"] == "succeeded"
+    assert set(ItemClaim.objects.filter(run=run).values_list("status", flat=True)) == {
+        ItemStatus.SUCCEEDED
+    }
+    again = 1 if recorded else 2
+    assert executions(run.pk) == {first.key: 1, **{i.key: again for i in rest}}
+    run.refresh_from_db()
+    assert run.in_flight == 0
+    assert set(CapacityPool.objects.values_list("in_flight", flat=True)) == {0}
