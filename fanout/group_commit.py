@@ -38,30 +38,39 @@ class _Ask:
         self.handing = handing
         self.answer: HandOver | None = None
         self.error: BaseException | None = None
+        self.taken = False  # a statement in flight carries it
         self.done = False
         self.alone = False  # the group failed for good: hand over alone, to find whose it was
 
 
 class _Run:
-    """One run's hand-overs of this process: the queue, and whether one is in flight."""
+    """One run's hand-overs of this process: the queue, and how many are in flight."""
 
     def __init__(self) -> None:
         self.changed = threading.Condition()
         self.queue: list[_Ask] = []
-        self.busy = False
+        self.busy = 0
 
     def hand_over(self, run_id: int, ask: _Ask, lease_seconds: float) -> None:
+        # Hand-over statements of one run that one process keeps in flight at once. With one,
+        # the threads split into two groups that take turns (those answered together come back
+        # together while the others' statement is in flight), and each commit waited for a WAL
+        # flush of its own; with two, both groups' commits share PostgreSQL's flushes.
+        lanes = max(1, int(conf.GROUP_COMMIT_LANES))
         with self.changed:
             self.queue.append(ask)
-            if self.busy:
+            if self.busy >= lanes:
                 counts["joined"] += 1
-                logger.debug("run %s: a hand-over joins the one in flight", run_id)
-            while self.busy and not ask.done:
+                logger.debug("run %s: a hand-over joins the next one in flight", run_id)
+            # Until a statement has carried it, or it may send the queue's (its own among them).
+            while not ask.done and (ask.taken or self.busy >= lanes):
                 self.changed.wait()
             if ask.done:
                 return
             group, self.queue = self.queue, []
-            self.busy = True
+            for taken in group:
+                taken.taken = True
+            self.busy += 1
         try:
             answers = hand_over_group(run_id, [a.handing for a in group], lease_seconds)
         except Exception as exc:  # each thread of the group raises it, or retries alone
@@ -87,7 +96,7 @@ class _Run:
                 ask.error = error
                 ask.alone = alone
                 ask.done = True
-            self.busy = False
+            self.busy -= 1
             self.changed.notify_all()
 
 

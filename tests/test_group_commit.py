@@ -61,14 +61,15 @@ def backend_pid() -> int:
         return int(cursor.fetchone()[0])
 
 
-def waiting_for_a_lock(pids: list[int]) -> bool:
+def waiting_for_a_lock(pids: list[int]) -> int:
+    """How many of these sessions wait for a lock."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity"
             " WHERE pid = ANY(%s) AND wait_event_type = 'Lock'",
             [pids],
         )
-        return bool(cursor.fetchone()[0])
+        return int(cursor.fetchone()[0])
 
 
 class Thread(threading.Thread):
@@ -95,13 +96,15 @@ class Thread(threading.Thread):
             connections["default"].close()
 
 
-def test_hand_overs_that_come_while_one_is_in_flight_go_together_in_the_next_statement() -> None:
-    run = prepared("slots_run", n=3)
-    owners = ["host:1:a", "host:1:b", "host:1:c"]
-    (ta, a), (tb, b), (tc, c) = claimed_one_each(run, owners)
+def test_hand_overs_that_come_while_two_are_in_flight_go_together_in_the_next_statement() -> None:
+    run = prepared("slots_run", n=4)
+    owners = ["host:1:a", "host:1:b", "host:1:c", "host:1:d"]
+    taken = claimed_one_each(run, owners)
+    threads = [Thread(run, t, i, o) for (t, i), o in zip(taken, owners, strict=True)]
+    leading, later = threads[:2], threads[2:]
     before = dict(group_commit.counts)
     # Nothing is left to hand the slots to: each hand-over gives its slot up on the run's row,
-    # which this holder keeps locked until the others have queued behind the first.
+    # which this holder keeps locked until the others have queued behind the first two.
     locked, release = threading.Event(), threading.Event()
 
     def hold_the_runs_row() -> None:
@@ -114,15 +117,18 @@ def test_hand_overs_that_come_while_one_is_in_flight_go_together_in_the_next_sta
             connections["default"].close()
 
     holder = threading.Thread(target=hold_the_runs_row)
-    first = Thread(run, ta, a, owners[0])
-    later = [Thread(run, tb, b, owners[1]), Thread(run, tc, c, owners[2])]
     holder.start()
     try:
         assert locked.wait(30)
-        first.start()
-        assert first.ready.wait(30)
-        assert first.pid is not None
-        wait_until(lambda: waiting_for_a_lock([first.pid]), 30, "the first hand-over to wait")
+        for n, thread in enumerate(leading, 1):
+            thread.start()
+            assert thread.ready.wait(30)
+            pids = [t.pid for t in leading[:n] if t.pid is not None]
+            wait_until(
+                lambda pids=pids: waiting_for_a_lock(pids) == len(pids),
+                30,
+                "the hand-overs in flight to wait",
+            )
         for thread in later:
             thread.start()
         joined = before.get("joined", 0) + 2
@@ -130,18 +136,19 @@ def test_hand_overs_that_come_while_one_is_in_flight_go_together_in_the_next_sta
     finally:
         release.set()
         holder.join()
-        for thread in (first, *later):
+        for thread in threads:
             thread.join(90)
 
-    answers = [t.answer for t in (first, *later)]
+    answers = [t.answer for t in threads]
     assert all(a is not None and a.written and a.next is None for a in answers)
-    # Two statements in all: the first alone, then the two that queued behind it, together.
-    statements = [sql for t in (first, *later) for sql in t.sent]
-    assert len(statements) == 2, statements
+    # Three statements in all: the first two alone, then the two that queued behind them,
+    # together.
+    statements = [sql for t in threads for sql in t.sent]
+    assert len(statements) == 3, statements
     assert all("fanout_hand_over_group" in sql for sql in statements)
-    assert len(first.sent) == 1
+    assert [len(t.sent) for t in leading] == [1, 1]
     assert sorted(len(t.sent) for t in later) == [0, 1]
-    assert group_commit.counts["statements"] - before.get("statements", 0) == 2
+    assert group_commit.counts["statements"] - before.get("statements", 0) == 3
     assert group_commit.counts["shared"] - before.get("shared", 0) == 2
     assert set(ItemClaim.objects.filter(run=run).values_list("status", flat=True)) == {
         ItemStatus.SUCCEEDED
@@ -248,7 +255,7 @@ def test_a_worker_killed_while_a_shared_hand_over_is_in_flight_loses_all_of_it_o
     cues, log = tmp_path / "cues", tmp_path / "worker.log"
     cues.mkdir()
     env = procs.child_env(database_url, FANOUT_LOG_LEVEL="DEBUG")
-    command = ["run_fanout", "group_kill", "--param", f"cue_dir={cues}", "--workers", "3"]
+    command = ["run_fanout", "group_kill", "--param", f"cue_dir={cues}", "--workers", "4"]
     with open(log, "w") as stderr:
         worker = subprocess.Popen(
             [procs.PYTHON, "manage.py", *command],
@@ -260,32 +267,42 @@ def test_a_worker_killed_while_a_shared_hand_over_is_in_flight_loses_all_of_it_o
             start_new_session=True,
         )
     children.append(worker)
-    # Three threads each run one of the three items, until cued.
-    procs.wait_until(lambda: Execution.objects.count() == 3, 60, "three items to start")
+    # Four threads each run one of the four items, until cued.
+    procs.wait_until(lambda: Execution.objects.count() == 4, 60, "four items to start")
     run = BatchRun.objects.get(definition="group_kill")
-    first, *rest = ItemClaim.objects.filter(run=run).order_by("index")
-    assert first.pool == GROUP_POOL_FIRST and {i.pool for i in rest} == {GROUP_POOL}
+    *first, a, b = ItemClaim.objects.filter(run=run).order_by("index")
+    rest = [a, b]
+    assert {i.pool for i in first} == {GROUP_POOL_FIRST} and {a.pool, b.pool} == {GROUP_POOL}
 
     # Each finished item gives its slot up (nothing is pending): on the run's row, then on
-    # its pool's. The run's row held here keeps the first item's hand-over in flight while the
-    # two others finish and queue behind it; the second pool's row then keeps their shared
-    # one in flight, with the first of the two written and the second not yet.
+    # its pool's. The run's row held here keeps the first two items' hand-overs in flight (as
+    # many as a process sends at once) while the two others finish and queue behind them; the
+    # second pool's row then keeps their shared one in flight, with the first of the two
+    # written and the second not yet.
     pool_row = RowHolder("fanout_capacitypool", "name", GROUP_POOL).__enter__()
     try:
         with RowHolder("fanout_batchrun", "id", run.pk):
-            (cues / first.key).touch()
-            procs.wait_until(lambda: hand_overs_waiting(run.pk), 30, "the first hand-over")
+            for n, item in enumerate(first, 1):
+                (cues / item.key).touch()
+                procs.wait_until(
+                    lambda n=n: len(hand_overs_waiting(run.pk)) == n, 30, "a hand-over in flight"
+                )
             for item in rest:
                 (cues / item.key).touch()
             procs.wait_until(
-                lambda: log.read_text().count("joins the one in flight") == 2,
+                lambda: log.read_text().count("joins the next one in flight") == 2,
                 30,
-                "the two others to queue behind it",
+                "the two others to queue behind them",
             )
         procs.wait_until(
-            lambda: ItemClaim.objects.get(pk=first.pk).status == ItemStatus.SUCCEEDED,
+            lambda: (
+                ItemClaim.objects.filter(pk__in=[i.pk for i in first])
+                .exclude(status=ItemStatus.SUCCEEDED)
+                .count()
+                == 0
+            ),
             30,
-            "the first hand-over to commit",
+            "the first hand-overs to commit",
         )
         [backend] = procs.wait_until(
             lambda: hand_overs_waiting(run.pk), 30, "the shared hand-over to be in flight"
@@ -329,7 +346,10 @@ def test_a_worker_killed_while_a_shared_hand_over_is_in_flight_loses_all_of_it_o
         ItemStatus.SUCCEEDED
     }
     again = 1 if recorded else 2
-    assert executions(run.pk) == {first.key: 1, **{i.key: again for i in rest}}
+    assert executions(run.pk) == {
+        **{i.key: 1 for i in first},
+        **{i.key: again for i in rest},
+    }
     run.refresh_from_db()
     assert run.in_flight == 0
     assert set(CapacityPool.objects.values_list("in_flight", flat=True)) == {0}

@@ -10,7 +10,7 @@ from fanout import FanOut, Item
 
 from .ledger import executing
 
-# The first item's slot is given up on its own pool's row, the others' on this one.
+# The first two items' slots are given up on their own pool's row, the others' on this one.
 GROUP_POOL_FIRST = "group-first"
 GROUP_POOL = "group-rest"
 
@@ -31,11 +31,11 @@ def _finish_on_cue(item: Item) -> Any:
 
 FanOut(
     "group_kill",
-    over=lambda params: range(int(params.get("n", 3))),
+    over=lambda params: range(int(params.get("n", 4))),
     key=lambda i: f"k{i:05d}",
     payload=lambda i: i,
     do=_finish_on_cue,
-    pool=lambda item: GROUP_POOL_FIRST if item.payload == 0 else GROUP_POOL,
+    pool=lambda item: GROUP_POOL_FIRST if item.payload < 2 else GROUP_POOL,
     max_parallel=8,
     lease_seconds=3,
 )
