@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Latency of a lone worker thread at low load: one thread hands over one no-op item after
-another (record the outcome, take the next item, one commit), with hand-overs grouped
-(FANOUT_GROUP_COMMIT on) and one by one, alternating rounds in one invocation.
+"""Hand-overs alone and in company: threads of one process hand over no-op items one after
+another (record the outcome, take the next item, one commit each) one by one (FANOUT_GROUP_COMMIT
+off) and grouped with 1, 2, ... statements in flight, the modes alternating round by round in
+one invocation so that the machine's drift touches them alike.
 
-    .venv/bin/python bench/lone.py [--items N] [--rounds R]
+    .venv/bin/python bench/lone.py [--threads 1,8] [--lanes 1,2] [--items N] [--rounds R]
 
-Uses bench/run.py's database (DATABASE_URL, migrated by bench/run.py first); prints the median
-and p99 of one hand-over in ms for each mode, and their ratio.
+Uses bench/run.py's database (DATABASE_URL; run bench/run.py once first to create and migrate
+it). Prints, per thread count and mode, items/s and the median and p99 of one hand-over (with
+one thread: the latency of a lone item at low load), and each mode's items/s over one by one's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,9 +29,10 @@ os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 os.environ.setdefault("DATABASE_URL", "postgres://root@127.0.0.1:5432/fanout_bench")
 
 
-def one_round(items: int, grouped: bool) -> list[float]:
-    """Seconds of each hand-over of a fresh run of ``items`` no-op items, one thread."""
-    from django.test.utils import override_settings
+def one_round(items: int, threads: int) -> tuple[float, list[float]]:
+    """Wall seconds for ``threads`` threads to hand over a fresh run of ``items`` no-op items,
+    and the seconds of each hand-over."""
+    from django.db import connection
 
     from fanout.claim import claim
     from fanout.definition import get_definition
@@ -38,44 +42,71 @@ def one_round(items: int, grouped: bool) -> list[float]:
 
     definition = get_definition("bench.noop_each")
     run = prepare_run(definition, {"n": items}, f"lone-{uuid.uuid4().hex[:8]}")
-    owner = "lone:1:thread"
-    taken = claim(run.pk, owner, 1, 30, 3, None)
-    token, item = taken.token, taken.items[0]
-    took = []
-    with override_settings(FANOUT_GROUP_COMMIT=grouped):
-        while item is not None:
-            new_token = uuid.uuid4()
-            outcome = ExecutionOutcome(item.pk, item.key, SUCCEEDED, result=None)
-            began = time.perf_counter()
-            handed = shared_hand_over(run.pk, token, outcome, owner, new_token, 30)
-            took.append(time.perf_counter() - began)
-            assert handed.written
-            token, item = new_token, handed.next
-    return took
+    took: list[float] = []
+    start = threading.Barrier(threads + 1)
+
+    def drain(n: int) -> None:
+        owner = f"lone:1:{n}"
+        try:
+            taken = claim(run.pk, owner, 1, 30, 3, None)
+            start.wait()
+            token, item = taken.token, taken.items[0] if taken.items else None
+            mine = []
+            while item is not None:
+                new_token = uuid.uuid4()
+                outcome = ExecutionOutcome(item.pk, item.key, SUCCEEDED, result=None)
+                began = time.perf_counter()
+                handed = shared_hand_over(run.pk, token, outcome, owner, new_token, 30)
+                mine.append(time.perf_counter() - began)
+                token, item = new_token, handed.next
+            took.extend(mine)
+        finally:
+            connection.close()
+
+    workers = [threading.Thread(target=drain, args=(n,)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait()
+    began = time.perf_counter()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - began, took
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--items", type=int, default=500, help="items per round (default 500)")
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--threads", default="1,8", help="thread counts, comma-separated (1,8)")
+    p.add_argument("--lanes", default="1,2", help="statements in flight, grouped (1,2)")
+    p.add_argument("--items", type=int, default=1000, help="items per round (default 1000)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per mode (default 3)")
     args = p.parse_args()
     import django
 
     django.setup()
-    seen: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.rounds):
-        for grouped in (False, True):
-            seen[grouped] += one_round(args.items, grouped)
-    figures = {}
-    for grouped, took in seen.items():
-        ms = sorted(t * 1000 for t in took)
-        figures[grouped] = statistics.median(ms)
-        name = "grouped" if grouped else "one by one"
-        print(
-            f"{name:>11}: {len(ms)} hand-overs, median {statistics.median(ms):.3f} ms, "
-            f"p99 {ms[int(len(ms) * 0.99)]:.3f} ms"
-        )
-    print(f"median grouped / one by one: {figures[True] / figures[False]:.2f}")
+    from django.test.utils import override_settings
+
+    modes = {"one by one": (False, 1)}
+    for lanes in args.lanes.split(","):
+        modes[f"grouped, {lanes} in flight"] = (True, int(lanes))
+    for threads in [int(t) for t in args.threads.split(",")]:
+        seen: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
+        for _ in range(args.rounds):
+            for mode, (grouped, lanes) in modes.items():
+                with override_settings(
+                    FANOUT_GROUP_COMMIT=grouped, FANOUT_GROUP_COMMIT_LANES=lanes
+                ):
+                    wall, took = one_round(args.items, threads)
+                seen[mode][0].append(args.items / wall)
+                seen[mode][1].extend(took)
+        base = statistics.median(seen["one by one"][0])
+        print(f"{threads} thread(s), {args.items} items x {args.rounds} rounds:")
+        for mode, (rates, took) in seen.items():
+            ms = sorted(t * 1000 for t in took)
+            rate = statistics.median(rates)
+            print(
+                f"  {mode:>21}: {rate:7,.0f} items/s ({rate / base:.2f}x), hand-over median "
+                f"{statistics.median(ms):.3f} ms, p99 {ms[int(len(ms) * 0.99)]:.3f} ms"
+            )
 
 
 if __name__ == "__main__":
