@@ -8,7 +8,8 @@ one invocation so that the machine's drift touches them alike.
 
 Uses bench/run.py's database (DATABASE_URL; run bench/run.py once first to create and migrate
 it). Prints, per thread count and mode, items/s and the median and p99 of one hand-over (with
-one thread: the latency of a lone item at low load), and each mode's items/s over one by one's.
+one thread: the latency of a lone item at low load), the CPU its PostgreSQL backends used per
+item, and each mode's items/s over one by one's.
 """
 
 from __future__ import annotations
@@ -29,9 +30,15 @@ os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
 os.environ.setdefault("DATABASE_URL", "postgres://root@127.0.0.1:5432/fanout_bench")
 
 
-def one_round(items: int, threads: int) -> tuple[float, list[float]]:
+def backend_cpu(pid: int) -> float:
+    """CPU seconds a PostgreSQL backend has used (this host's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(items: int, threads: int) -> tuple[float, list[float], float]:
     """Wall seconds for ``threads`` threads to hand over a fresh run of ``items`` no-op items,
-    and the seconds of each hand-over."""
+    the seconds of each hand-over, and the CPU seconds their PostgreSQL backends used."""
     from django.db import connection
 
     from fanout.claim import claim
@@ -43,12 +50,17 @@ def one_round(items: int, threads: int) -> tuple[float, list[float]]:
     definition = get_definition("bench.noop_each")
     run = prepare_run(definition, {"n": items}, f"lone-{uuid.uuid4().hex[:8]}")
     took: list[float] = []
+    used: list[float] = []
     start = threading.Barrier(threads + 1)
 
     def drain(n: int) -> None:
         owner = f"lone:1:{n}"
         try:
             taken = claim(run.pk, owner, 1, 30, 3, None)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                pid = cursor.fetchone()[0]
+            cpu = backend_cpu(pid)
             start.wait()
             token, item = taken.token, taken.items[0] if taken.items else None
             mine = []
@@ -60,6 +72,7 @@ def one_round(items: int, threads: int) -> tuple[float, list[float]]:
                 mine.append(time.perf_counter() - began)
                 token, item = new_token, handed.next
             took.extend(mine)
+            used.append(backend_cpu(pid) - cpu)
         finally:
             connection.close()
 
@@ -70,7 +83,7 @@ def one_round(items: int, threads: int) -> tuple[float, list[float]]:
     began = time.perf_counter()
     for w in workers:
         w.join()
-    return time.perf_counter() - began, took
+    return time.perf_counter() - began, took, sum(used)
 
 
 def main() -> None:
@@ -89,23 +102,27 @@ def main() -> None:
     for lanes in args.lanes.split(","):
         modes[f"grouped, {lanes} in flight"] = (True, int(lanes))
     for threads in [int(t) for t in args.threads.split(",")]:
-        seen: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
+        seen: dict[str, tuple[list[float], list[float], list[float]]] = {
+            m: ([], [], []) for m in modes
+        }
         for _ in range(args.rounds):
             for mode, (grouped, lanes) in modes.items():
                 with override_settings(
                     FANOUT_GROUP_COMMIT=grouped, FANOUT_GROUP_COMMIT_LANES=lanes
                 ):
-                    wall, took = one_round(args.items, threads)
+                    wall, took, cpu = one_round(args.items, threads)
                 seen[mode][0].append(args.items / wall)
                 seen[mode][1].extend(took)
+                seen[mode][2].append(cpu * 1000 / args.items)
         base = statistics.median(seen["one by one"][0])
         print(f"{threads} thread(s), {args.items} items x {args.rounds} rounds:")
-        for mode, (rates, took) in seen.items():
+        for mode, (rates, took, cpu) in seen.items():
             ms = sorted(t * 1000 for t in took)
             rate = statistics.median(rates)
             print(
                 f"  {mode:>21}: {rate:7,.0f} items/s ({rate / base:.2f}x), hand-over median "
-                f"{statistics.median(ms):.3f} ms, p99 {ms[int(len(ms) * 0.99)]:.3f} ms"
+                f"{statistics.median(ms):.3f} ms, p99 {ms[int(len(ms) * 0.99)]:.3f} ms, "
+                f"PostgreSQL CPU {statistics.median(cpu):.3f} ms/item"
             )
 
 
