@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import DataError, connection, connections, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -31,7 +32,7 @@ from tests.testapp.models import Execution
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL groups hand-overs"),
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL groups hand-overs"),
 ]
 
 LEASE, CRASH_BUDGET = 30, 1
@@ -79,6 +80,7 @@ class Thread(threading.Thread):
         super().__init__()
         self.args_ = (run.pk, token, succeeded(item), owner, uuid.uuid4(), LEASE)
         self.answer: HandOver | None = None
+        self.error: Exception | None = None
         self.sent: list[str] = []
         self.pid: int | None = None
         self.ready = threading.Event()
@@ -90,7 +92,10 @@ class Thread(threading.Thread):
             self.pid = backend_pid()
             self.ready.set()
             with CaptureQueriesContext(connection) as queries:
-                self.answer = group_commit.shared_hand_over(*self.args_)
+                try:
+                    self.answer = group_commit.shared_hand_over(*self.args_)
+                except Exception as exc:
+                    self.error = exc
             self.sent = [q["sql"] for q in queries.captured_queries]
         finally:
             connections["default"].close()
@@ -155,6 +160,40 @@ def test_hand_overs_that_come_while_two_are_in_flight_go_together_in_the_next_st
     }
     run.refresh_from_db()
     assert run.in_flight == 0
+
+
+@override_settings(FANOUT_GROUP_COMMIT_LANES=1)
+def test_an_outcome_the_database_refuses_fails_its_own_hand_over_not_its_groups() -> None:
+    run = prepared("slots_run", n=3)
+    owners = ["host:1:a", "host:1:b", "host:1:c"]
+    taken = claimed_one_each(run, owners)
+    first, good, bad = (Thread(run, t, i, o) for (t, i), o in zip(taken, owners, strict=True))
+    # A float PostgreSQL's jsonb refuses (the handler's answer is checked before; this stands
+    # for any outcome that fails the group's statement for good).
+    bad.args_[2].result = {"v": float("nan")}
+    before = dict(group_commit.counts)
+    with RowHolder("fanout_batchrun", "id", run.pk):
+        first.start()
+        assert first.ready.wait(30)
+        assert first.pid is not None
+        wait_until(lambda: waiting_for_a_lock([first.pid]), 30, "the first hand-over to wait")
+        good.start()
+        bad.start()
+        joined = before.get("joined", 0) + 2
+        wait_until(lambda: group_commit.counts["joined"] >= joined, 30, "the others to queue")
+    for thread in (first, good, bad):
+        thread.join(90)
+
+    assert first.answer is not None and first.answer.written
+    # Their shared statement failed; each then went alone, and only the refused one failed.
+    assert good.error is None and good.answer is not None and good.answer.written
+    assert isinstance(bad.error, DataError) and bad.answer is None
+    statuses = dict(ItemClaim.objects.filter(run=run).values_list("key", "status"))
+    assert statuses == {
+        "s00000": ItemStatus.SUCCEEDED,
+        "s00001": ItemStatus.SUCCEEDED,
+        "s00002": ItemStatus.RUNNING,
+    }
 
 
 def test_a_lone_hand_over_goes_at_once_in_a_statement_of_its_own() -> None:
