@@ -73,7 +73,7 @@ class _Run:
                 taken.taken = True
             self.busy += 1
         try:
-            answers = hand_over_group(run_id, [a.handing for a in group], lease_seconds)
+            answers = _send(run_id, group, lease_seconds)
         except Exception as exc:  # each thread of the group raises it, or retries alone
             self._ended(group, None, exc)
         except BaseException as exc:
@@ -94,9 +94,13 @@ class _Run:
             # A group whose statement failed for good, or was cut off (the leader's thread was
             # interrupted), leaves each of its threads to hand over alone: the fence drops
             # whatever that statement did commit.
-            alone = len(group) > 1 and (
-                not isinstance(error, Exception)
-                or (isinstance(error, DatabaseError) and not is_transient(error))
+            alone = (
+                error is not None
+                and len(group) > 1
+                and (
+                    not isinstance(error, Exception)
+                    or (isinstance(error, DatabaseError) and not is_transient(error))
+                )
             )
             for n, ask in enumerate(group):
                 ask.answer = answers[n] if answers is not None else None
@@ -105,6 +109,14 @@ class _Run:
                 ask.done = True
             self.busy -= 1
             self.changed.notify_all()
+
+
+def _send(run_id: int, group: list[_Ask], lease_seconds: float) -> list[HandOver]:
+    """One statement: a lone thread's the plain hand-over's, so its latency stays what it was."""
+    if len(group) == 1:
+        h = group[0].handing
+        return [hand_over(run_id, h.token, h.outcome, h.owner, h.new_token, lease_seconds)]
+    return hand_over_group(run_id, [a.handing for a in group], lease_seconds)
 
 
 _runs: dict[int, _Run] = {}

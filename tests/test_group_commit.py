@@ -146,13 +146,15 @@ def test_hand_overs_that_come_while_two_are_in_flight_go_together_in_the_next_st
 
     answers = [t.answer for t in threads]
     assert all(a is not None and a.written and a.next is None for a in answers)
-    # Three statements in all: the first two alone, then the two that queued behind them,
-    # together.
+    # Three statements in all: the first two alone (the plain hand-over), then the two that
+    # queued behind them, together.
     statements = [sql for t in threads for sql in t.sent]
     assert len(statements) == 3, statements
-    assert all("fanout_hand_over_group" in sql for sql in statements)
     assert [len(t.sent) for t in leading] == [1, 1]
+    assert all("fanout_hand_over(" in t.sent[0] for t in leading)
     assert sorted(len(t.sent) for t in later) == [0, 1]
+    [shared] = [t.sent[0] for t in later if t.sent]
+    assert "fanout_hand_over_group(" in shared
     assert group_commit.counts["statements"] - before.get("statements", 0) == 3
     assert group_commit.counts["shared"] - before.get("shared", 0) == 2
     assert set(ItemClaim.objects.filter(run=run).values_list("status", flat=True)) == {
@@ -244,13 +246,13 @@ def test_a_grouped_hand_over_fences_each_item_and_takes_a_next_item_for_each_thr
     assert run.in_flight == 3
 
 
-def hand_overs_waiting(run_id: int) -> list[int]:
-    """Sessions whose grouped hand-over waits for a lock (a statement in flight)."""
+def hand_overs_waiting(run_id: int, grouped: bool = False) -> list[int]:
+    """Sessions whose hand-over (``grouped``: of several items) waits for a lock."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
             " AND wait_event_type = 'Lock' AND query LIKE %s",
-            ["%fanout_hand_over_group%"],
+            ["%fanout_hand_over_group(%" if grouped else "%fanout_hand_over%"],
         )
         return [pid for (pid,) in cursor.fetchall()]
 
@@ -344,7 +346,9 @@ def test_a_worker_killed_while_a_shared_hand_over_is_in_flight_loses_all_of_it_o
             "the first hand-overs to commit",
         )
         [backend] = procs.wait_until(
-            lambda: hand_overs_waiting(run.pk), 30, "the shared hand-over to be in flight"
+            lambda: hand_overs_waiting(run.pk, grouped=True),
+            30,
+            "the shared hand-over to be in flight",
         )
 
         os.killpg(worker.pid, signal.SIGKILL)
