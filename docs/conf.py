@@ -10,7 +10,7 @@ project = "fanout"
 author = "the fanout authors"
 copyright = "2026, the fanout authors"
 try:
-    release = version = metadata.version("django-fanout")
+    release = version = metadata.version("django-batch-fanout")
 except metadata.PackageNotFoundError:  # a checkout that is not installed
     release = version = ""
 

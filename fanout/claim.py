@@ -107,9 +107,8 @@ def lock_run(run_id: int, freed: int = 0) -> dict[str, Any] | None:
         no_key = connection.features.has_select_for_no_key_update
         runs = runs.select_for_update(no_key=no_key)
         return dict(runs.values(*_RUN_FIELDS).first() or {}) or None
-    # SQLite has no row locks: writing first takes the database's write lock for the whole
-    # transaction, which serialises claimers as FOR UPDATE would (and never upgrades a read lock).
-    runs.update(status=F("status"))
+    # SQLite has no row locks: writing first serialises claimers as FOR UPDATE would.
+    backend().take_write_lock(runs)
     return dict(runs.values(*_RUN_FIELDS).first() or {}) or None
 
 

@@ -126,7 +126,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         from prometheus_client import CollectorRegistry
         from prometheus_client.exposition import choose_encoder
     except ImportError:
-        missing = "prometheus-client is missing: pip install 'django-fanout[prometheus]'"
+        missing = "prometheus-client is missing: pip install 'django-batch-fanout[prometheus]'"
         raise Http404(missing) from None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FanoutCollector())  # type: ignore[arg-type]

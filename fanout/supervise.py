@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from . import launch
 from .audit import audit
+from .backends import backend
 from .clock import DbNow, db_now_plus
 from .compensate import finish, release_lost
 from .conf import conf, host_name
@@ -56,6 +57,9 @@ def take_runs(limit: int = RUNS_PER_SWEEP) -> list[int]:
     """Take up to ``limit`` open runs that no other supervisor has taken this period."""
     period = float(conf.SUPERVISE_SECONDS)
     with transaction.atomic():
+        # SQLite: a writer from the start, so that its update below never upgrades a read lock
+        # (which fails at once, "database is locked", on Django's default options).
+        backend().take_write_lock(BatchRun.objects.all())
         # A pending run is taken once nobody writes its work list (its writer died or let go).
         unwritten = Q(status=RunStatus.PENDING) & (
             Q(materialize_token__isnull=True) | Q(materialize_lease_expires_at__lte=DbNow())

@@ -106,11 +106,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
 def venv_with_the_wheel(tmp_path: Path) -> Installed:
     """A fresh virtualenv holding the built wheel with every extra that the docs install (so
-    that their `pip install "django-fanout[...]"` lines need no index), its dependencies and
+    that their `pip install "django-batch-fanout[...]"` lines need no index), its dependencies and
     this suite's Django."""
     dist = tmp_path / "dist"
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, ROOT], ROOT)
-    (wheel,) = dist.glob("django_fanout-*.whl")
+    (wheel,) = dist.glob("django_batch_fanout-*.whl")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], tmp_path)
     pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
@@ -511,11 +511,11 @@ def test_every_example_of_the_readme_and_the_docs_runs_as_written_in_a_new_proje
     python = installed.bin / "python"
     run([python, "manage.py", "makemigrations", "myapp", "-v0"], project, env)
     (project / "myapp" / "migrations" / "0002_rows.py").write_text(DOCS_DATA)
-    # The docs' own `pip install django-fanout` installs it, from the wheel and nothing else.
-    run([python, "-m", "pip", "uninstall", "-q", "-y", "django-fanout"], project, env)
+    # The docs' own `pip install django-batch-fanout` installs it, from the wheel and nothing else.
+    run([python, "-m", "pip", "uninstall", "-q", "-y", "django-batch-fanout"], project, env)
     shell_env = {**env, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(installed.wheels)}
     commands = [b for b in blocks if b.language in SHELL_BLOCKS and b.not_run is None]
-    assert any("pip install django-fanout" in b.code for b in commands), "no install line ran"
+    assert any("pip install django-batch-fanout" in b.code for b in commands), "no install line ran"
 
     for block in commands:
         log = tmp_path / f"{block.page.replace('/', '-')}-{block.line}.log"

@@ -32,7 +32,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_holds_fanout_with_its_migrations_templates_and_static_files_only(
     dist: Path,
 ) -> None:
-    (wheel,) = dist.glob("django_fanout-*.whl")
+    (wheel,) = dist.glob("django_batch_fanout-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     shipped = [n for n in names if ".dist-info/" not in n]
 
@@ -45,7 +45,7 @@ def test_the_wheel_holds_fanout_with_its_migrations_templates_and_static_files_o
 
 
 def test_the_wheel_declares_the_bsd_licence_and_carries_its_text(dist: Path) -> None:
-    (wheel,) = dist.glob("django_fanout-*.whl")
+    (wheel,) = dist.glob("django_batch_fanout-*.whl")
     archive = zipfile.ZipFile(wheel)
     (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
     headers = HeaderParser().parsestr(archive.read(metadata).decode())
@@ -58,7 +58,7 @@ def test_the_wheel_declares_the_bsd_licence_and_carries_its_text(dist: Path) -> 
 
 
 def test_the_sdist_carries_the_licence(dist: Path) -> None:
-    (sdist,) = dist.glob("django_fanout-*.tar.gz")
+    (sdist,) = dist.glob("django_batch_fanout-*.tar.gz")
     names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
 
     assert "LICENSE" in names

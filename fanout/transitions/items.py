@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, QuerySet
 
 from .. import spend
@@ -240,9 +240,8 @@ def write_first(run_id: int | None = None) -> None:
 
     Elsewhere rows are locked one by one and this does nothing.
     """
-    if not connection.features.has_select_for_update:
-        runs = BatchRun.objects.all() if run_id is None else BatchRun.objects.filter(pk=run_id)
-        runs.filter(pk__in=runs.values("pk")[:1]).update(status=F("status"))
+    runs = BatchRun.objects.all() if run_id is None else BatchRun.objects.filter(pk=run_id)
+    backend().take_write_lock(runs)
 
 
 def _lock_held(items: QuerySet[ItemClaim]) -> list[tuple[int, int, str]]:
