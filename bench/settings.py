@@ -3,6 +3,8 @@
 DATABASE_URL  default postgres://root@127.0.0.1:5432/fanout_bench (bench/run.py creates it);
               mysql://... for MariaDB (bench/run.py --database mariadb sets it)
 REDIS_URL     default redis://127.0.0.1:6379/6 (the script empties this Redis database)
+FANOUT_GROUP_COMMIT  "0" measures per-item hand-overs one statement each (default "1": grouped)
+FANOUT_GROUP_COMMIT_LANES  grouped hand-over statements a process keeps in flight (default 2)
 """
 
 import os
@@ -15,6 +17,8 @@ os.environ.setdefault("DEBUG", "0")  # DEBUG would keep every SQL statement in m
 from project.settings import *  # noqa: E402, F403
 
 ALLOWED_HOSTS = ["*"]
+FANOUT_GROUP_COMMIT = os.environ.get("FANOUT_GROUP_COMMIT", "1") != "0"
+FANOUT_GROUP_COMMIT_LANES = int(os.environ.get("FANOUT_GROUP_COMMIT_LANES", "2"))
 INSTALLED_APPS = [*INSTALLED_APPS, "bench"]  # noqa: F405
 
 # Rebuilt from REDIS_URL as read above (project.settings read it too; this keeps them in step).

@@ -23,6 +23,11 @@ DEFAULTS: dict[str, Any] = {
     # Default django-rq queue of drain jobs and the seconds one drain job runs before yielding.
     "QUEUE": "fanout",
     "DRAIN_SECONDS": 60.0,
+    # Hand-overs of a worker process's threads that finish items of one run while one is in
+    # flight go together, one statement and one commit (PostgreSQL; elsewhere one by one).
+    "GROUP_COMMIT": True,
+    # Grouped hand-over statements of one run that one worker process keeps in flight at once.
+    "GROUP_COMMIT_LANES": 2,
     # Items one RQ drain job (one worker process) runs at once, each on its own thread.
     "WORKER_THREADS": 8,
     # Seconds a stopping worker lets its items finish before releasing them.
@@ -68,6 +73,8 @@ class Settings:
     QUEUE: str
     DRAIN_SECONDS: float
     WORKER_THREADS: int
+    GROUP_COMMIT: bool
+    GROUP_COMMIT_LANES: int
     STOP_GRACE_SECONDS: float
     IDLE_MAX_SECONDS: float
     SUPERVISE_SECONDS: float

@@ -23,6 +23,7 @@ from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, registered
 from .errors import FanoutError, is_transient
+from .group_commit import shared_hand_over
 from .join import maybe_join, settle_up
 from .lease import Keepers, LeaseKeeper
 from .models import BatchRun, CapacityPool, ItemClaim, ItemStatus, RunStatus
@@ -38,7 +39,6 @@ from .transitions import (
     ClaimedItem,
     ExecutionOutcome,
     can_hand_over,
-    hand_over,
     hand_over_spending,
 )
 
@@ -503,7 +503,7 @@ class Drain:
         spending = self.spend or outcome.accounted
         done = self._db(
             partial(
-                hand_over_spending if spending else hand_over,
+                hand_over_spending if spending else shared_hand_over,
                 self.run_id,
                 batch.token,
                 outcome,

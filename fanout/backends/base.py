@@ -70,6 +70,17 @@ class Backend:
     def hand_over(self, params: Sequence[Any]) -> HandOverRow:
         raise NotImplementedError("no one-statement hand-over on this database")
 
+    @property
+    def hands_over_groups(self) -> bool:
+        """Whether the hand-overs of several items of one run can go in one statement here."""
+        return False
+
+    def hand_over_group(self, params: Sequence[Any]) -> list[HandOverRow]:
+        """The hand-overs of several items of one run, one statement: ``params`` are the
+        hand-over's, each but the run and the lease a list with one element per item; one
+        answer per item, in their order."""
+        raise NotImplementedError("no grouped hand-over on this database")
+
     def hand_over_spending(self, params: Sequence[Any]) -> tuple[HandOverRow, bool] | None:
         """The hand-over and the spend it moves in one round trip, and whether a budget refused
         the next item; None where there is none (fanout.spend moves the spend after it)."""

@@ -19,6 +19,12 @@ NOW = "clock_timestamp()"
 # A PL/pgSQL function (migrations 0003, 0006, 0015), so that PostgreSQL plans it once per session:
 # planning the statement cost more than running it.
 HAND_OVER = "SELECT * FROM fanout_hand_over(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s)"
+# Several items' hand-overs, one statement and one commit (migration 0024): arrays, one element
+# per item, but for the run and the lease.
+HAND_OVER_GROUP = (
+    "SELECT * FROM fanout_hand_over_group(%s::bigint[], %s::uuid[], %s::text[], "
+    "%s::float8[], %s, %s::text[], %s::text[], %s::uuid[], %s)"
+)
 # The hand-over and the spend it moves (migrations 0013, 0015, 0018, 0020, 0021).
 HAND_OVER_SPEND = (
     "SELECT * FROM fanout_hand_over_spend(%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
@@ -124,6 +130,15 @@ class PostgreSQL(Backend):
             cursor.execute(HAND_OVER, list(params))
             done, *rest = cursor.fetchone()
         return HandOverRow(bool(done), *rest)
+
+    @property
+    def hands_over_groups(self) -> bool:
+        return True
+
+    def hand_over_group(self, params: Sequence[Any]) -> list[HandOverRow]:
+        with connection.cursor() as cursor:
+            cursor.execute(HAND_OVER_GROUP, list(params))
+            return [HandOverRow(bool(done), *rest) for done, *rest in cursor.fetchall()]
 
     def hand_over_spending(self, params: Sequence[Any]) -> tuple[HandOverRow, bool] | None:
         with connection.cursor() as cursor:

@@ -624,6 +624,49 @@ def hand_over(
     return HandOver(row.done, _next_item(row))
 
 
+@dataclass
+class Handing:
+    """One thread's finished item in a group of hand-overs (``hand_over_group``)."""
+
+    token: uuid.UUID
+    outcome: ExecutionOutcome
+    owner: str
+    new_token: uuid.UUID
+
+
+def hand_over_group(run_id: int, group: Sequence[Handing], lease_seconds: float) -> list[HandOver]:
+    """``hand_over`` for several items of one run, in one statement and one commit; one answer
+    per item, in ``group``'s order.
+
+    Each outcome is fenced by its own token and each item's next one is picked for its owner,
+    exactly as one by one; ordered by pool, then id, so that the slots given up lock the run's
+    row and then the pools' in name order, the order every transaction keeps.
+    """
+    assert all(h.outcome.kind == SUCCEEDED for h in group), "only successes are handed over"
+    order = sorted(range(len(group)), key=lambda n: (group[n].outcome.pool, group[n].outcome.pk))
+    ordered = [group[n] for n in order]
+    rows = backend().hand_over_group(
+        [
+            [h.outcome.pk for h in ordered],
+            [h.token for h in ordered],
+            [
+                json.dumps(h.outcome.result) if h.outcome.result is not None else None
+                for h in ordered
+            ],
+            [h.outcome.elapsed for h in ordered],
+            run_id,
+            [h.outcome.pool for h in ordered],
+            [h.owner[:200] for h in ordered],
+            [h.new_token for h in ordered],
+            lease_seconds,
+        ]
+    )
+    answers: list[HandOver | None] = [None] * len(group)
+    for n, row in zip(order, rows, strict=True):
+        answers[n] = HandOver(row.done, _next_item(row))
+    return [a for a in answers if a is not None]
+
+
 def _hand_over_args(
     run_id: int,
     token: uuid.UUID,

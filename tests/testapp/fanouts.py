@@ -225,6 +225,7 @@ FanOut(
 
 # The definitions of the other test areas register themselves when imported.
 from .fanouts_chaos import *  # noqa: E402, F401, F403
+from .fanouts_group import *  # noqa: E402, F401, F403
 from .fanouts_phase import *  # noqa: E402, F401, F403
 from .fanouts_pools import *  # noqa: E402, F401, F403
 from .fanouts_rq import *  # noqa: E402, F401, F403
