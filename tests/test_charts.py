@@ -862,3 +862,17 @@ def test_a_reopened_runs_charts_mark_the_time_it_lay_ended(admin_client: Any) ->
     assert "Reopened once" in throughput["note"], throughput["note"]
     headline = page.content.decode().split('class="fanout-headline"')[1].split("</div>")[0]
     assert "reopened once" in headline
+
+
+def test_the_duration_axis_puts_no_two_labels_closer_than_three_bars_when_it_has_room() -> None:
+    from fanout.admin.charts import _duration_ticks
+    from fanout.tally import DURATION_EDGES
+
+    buckets = len(DURATION_EDGES) + 1
+    for lo in range(buckets):
+        for hi in range(lo + 1, buckets + 1):
+            at = [position for position, _ in _duration_ticks(lo, hi)]
+            assert at[0] == 0 and at == sorted(at), (lo, hi, at)
+            gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+            if hi - lo >= 3 and gaps:  # room for labels three bars apart: none closer
+                assert min(gaps) >= 3, (lo, hi, at)

@@ -157,11 +157,12 @@ def _durations(c: RunCharts) -> dict[str, Any]:
 
 def _duration_ticks(lo: int, hi: int) -> list[tuple[int, str]]:
     """The bucket edges under the duration chart's bars lo..hi: both ends (the first bar's
-    lower edge, the last bar's upper one) and every third edge between them, so that even one
-    bar says what it spans."""
+    lower edge, the last bar's upper one) and every third edge between them, none closer than
+    three bars to the end (two labels side by side ran into each other), so that even one bar
+    says what it spans."""
     edges = ["0", *(precise_duration(e) for e in DURATION_EDGES)]  # edges[i]: bucket i's lower
     ticks = [(0, edges[lo])]
-    ticks += [(i - lo, edges[i]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 and hi - i > 1]
+    ticks += [(i - lo, edges[i]) for i in range(lo + 1, hi) if (i - lo) % 3 == 0 and hi - i >= 3]
     if hi < len(edges):
         ticks.append((hi - lo, edges[hi]))
     return ticks
