@@ -41,7 +41,7 @@ def test_every_item_runs_exactly_once_across_two_rqworker_processes_and_the_run_
     workers = processes.workers(2)
     parent = processes.manage(
         ["run_fanout", "rq_items", "--param", "n=400", "--param", "spread=2"]
-        + ["--executor", "rq", "--json"]
+        + ["--max-parallel", "16", "--executor", "rq", "--json"]
     )
 
     code, log = parent.finish(timeout=120)
@@ -64,7 +64,8 @@ def test_every_item_runs_exactly_once_across_two_rqworker_processes_and_the_run_
     assert run.executor == "rq"
     # Both workers took part: the items were spread over processes, not run by one. (Every
     # call waits until two processes have started one, so a worker that is slow to start is
-    # waited for; a dispatch that gave the whole run to one process fails the run instead.)
+    # waited for; a dispatch that gave the whole run to one process fails the run instead.
+    # The run's 16 slots are more than one process's 8 threads can hold while they wait.)
     assert workers_that_ran(run.pk) == {w.pid for w in workers}
 
 
