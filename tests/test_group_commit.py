@@ -26,6 +26,7 @@ from fanout.dispatch import prepare_run
 from fanout.lease import LeaseKeeper
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus
 from fanout.transitions import SUCCEEDED, ExecutionOutcome, Handing, HandOver, hand_over_group
+from fanout.transitions.items import settle
 from tests import procs
 from tests.conftest import executions
 from tests.procs import wait_until
@@ -501,6 +502,75 @@ def test_a_lease_renewal_and_a_group_whose_pools_sort_against_its_ids_do_not_dea
     assert group.error is None, group.error
     assert renewal.error is None, renewal.error
     assert [x.written for x in group.answers] == [True, True]
+    assert set(ItemClaim.objects.filter(pk__in=[a.pk, b.pk]).values_list("status", flat=True)) == {
+        ItemStatus.SUCCEEDED
+    }
+    run.refresh_from_db()
+    assert run.in_flight == 2
+    pools = CapacityPool.objects.filter(name__in=[a.pool, b.pool])
+    assert sorted(pools.values_list("in_flight", flat=True)) == [1, 1]
+
+
+class Settle(threading.Thread):
+    """A stopping worker's main thread records one finished item (fanout.rq._give_back), in a
+    session of its own."""
+
+    def __init__(self, run: BatchRun, token: uuid.UUID, item: Any) -> None:
+        super().__init__()
+        self.args_ = (run.pk, token, [succeeded(item, pool=item.pool)])
+        self.pid: int | None = None
+        self.ready = threading.Event()
+        self.written: list[int] | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET lock_timeout = '60s'")
+            self.pid = backend_pid()
+            self.ready.set()
+            try:
+                self.written = settle(*self.args_)
+            except Exception as exc:
+                self.error = exc
+        finally:
+            connections["default"].close()
+
+
+def test_a_group_takes_its_items_before_the_runs_row_as_a_record_of_one_of_them_does() -> None:
+    from tests.testapp.fanouts_group import GROUP_POOL_EARLY_NAME, GROUP_POOL_LATE_NAME
+
+    for name in (GROUP_POOL_LATE_NAME, GROUP_POOL_EARLY_NAME):
+        CapacityPool.objects.create(name=name, max_concurrency=8)
+    run = prepared("group_pools_against_ids", n=4)
+    taken = claimed_one_each(run, ["host:1:a", "host:1:b", "host:1:c", "host:1:d"])
+    # The group goes by pool: b, whose slot it gives up on the run's row, and then a.
+    (ta, a), (tb, b) = next((x, y) for x in taken for y in taken if x[1].pool > y[1].pool)
+    group = Group(
+        run,
+        [
+            Handing(ta, succeeded(a, pool=a.pool), "host:1:a", uuid.uuid4()),
+            Handing(tb, succeeded(b, pool=b.pool), "host:1:b", uuid.uuid4()),
+        ],
+    )
+    # Meanwhile the process stops, and its main thread records a for the thread that waits
+    # for the group: a's row, then the run's.
+    record = Settle(run, ta, a)
+    with RowHolder("fanout_batchrun", "id", run.pk):
+        group.start()
+        wait_until(lambda: hand_overs_waiting(run.pk, grouped=True), 30, "the group to wait")
+        record.start()
+        assert record.ready.wait(30)
+        assert record.pid is not None
+        pid = record.pid
+        wait_until(lambda: waiting_for_a_lock([pid]), 30, "the record to wait")
+    group.join(60)
+    record.join(60)
+
+    # Neither is a deadlock's victim; b is recorded once, and a once, by one of them.
+    assert group.error is None, group.error
+    assert record.error is None, record.error
+    assert [x.written for x in group.answers].count(True) + len(record.written or []) == 2
     assert set(ItemClaim.objects.filter(pk__in=[a.pk, b.pk]).values_list("status", flat=True)) == {
         ItemStatus.SUCCEEDED
     }
