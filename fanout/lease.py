@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
 
 from .clock import db_now_plus
 from .models import ItemClaim
@@ -96,11 +96,23 @@ class LeaseKeeper:
             live = {pk: token for pk, (token, deadline) in self._held.items() if deadline > now}
         if not live:
             return 0
-        return (
-            ItemClaim.objects.filter(pk__in=list(live), claim_token__in=set(live.values()))
-            .leased()
-            .update(lease_expires_at=db_now_plus(self.lease_seconds))
-        )
+        # Rows another transaction holds are skipped, renewed next round (a lease outlives two
+        # missed rounds): mostly their own outcome being written, possibly several of this
+        # process's items in one statement (a grouped hand-over, a batch's record) in an order
+        # of their own. A renewal that waited for them would hold the rows it had already
+        # renewed, and the two would deadlock.
+        with transaction.atomic():
+            free = list(
+                ItemClaim.objects.filter(pk__in=list(live), claim_token__in=set(live.values()))
+                .leased()
+                .select_for_update(skip_locked=True)
+                .values_list("pk", flat=True)
+            )
+            if not free:
+                return 0
+            return ItemClaim.objects.filter(pk__in=free).update(
+                lease_expires_at=db_now_plus(self.lease_seconds)
+            )
 
     def start(self) -> LeaseKeeper:
         self._thread = threading.Thread(target=self._loop, name="fanout-lease-keeper", daemon=True)

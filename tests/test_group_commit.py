@@ -23,8 +23,10 @@ from fanout import group_commit
 from fanout.claim import claim
 from fanout.definition import get_definition
 from fanout.dispatch import prepare_run
+from fanout.lease import LeaseKeeper
 from fanout.models import BatchRun, CapacityPool, ItemClaim, ItemStatus
 from fanout.transitions import SUCCEEDED, ExecutionOutcome, Handing, HandOver, hand_over_group
+from fanout.transitions.items import settle
 from tests import procs
 from tests.conftest import executions
 from tests.procs import wait_until
@@ -42,8 +44,8 @@ def prepared(name: str, **params: Any) -> BatchRun:
     return prepare_run(get_definition(name), params, f"{name}-{uuid.uuid4().hex[:8]}")
 
 
-def succeeded(item: Any) -> ExecutionOutcome:
-    return ExecutionOutcome(item.pk, item.key, SUCCEEDED, result={"ok": item.key})
+def succeeded(item: Any, pool: str = "") -> ExecutionOutcome:
+    return ExecutionOutcome(item.pk, item.key, SUCCEEDED, result={"ok": item.key}, pool=pool)
 
 
 def claimed_one_each(run: BatchRun, owners: list[str]) -> list[tuple[uuid.UUID, Any]]:
@@ -396,3 +398,183 @@ def test_a_worker_killed_while_a_shared_hand_over_is_in_flight_loses_all_of_it_o
     run.refresh_from_db()
     assert run.in_flight == 0
     assert set(CapacityPool.objects.values_list("in_flight", flat=True)) == {0}
+
+
+def physical_places(run_id: int) -> list[tuple[int, tuple[int, int]]]:
+    """Where each item of the run lies in its table: (id, (page, line))."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id, ctid::text FROM fanout_itemclaim WHERE run_id = %s", [run_id])
+        rows = cursor.fetchall()
+    return [(pk, tuple(int(n) for n in ctid.strip("()").split(","))) for pk, ctid in rows]
+
+
+class Renewal(threading.Thread):
+    """A lease keeper's round over these items, in a session of its own."""
+
+    def __init__(self, held: list[tuple[uuid.UUID, Any]]) -> None:
+        super().__init__()
+        self.keeper = LeaseKeeper(LEASE)
+        for token, item in held:
+            self.keeper.hold(token, [item.pk])
+        self.pid: int | None = None
+        self.ready = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET lock_timeout = '60s'")
+            self.pid = backend_pid()
+            self.ready.set()
+            try:
+                self.keeper.renew_now()
+            except Exception as exc:
+                self.error = exc
+        finally:
+            connections["default"].close()
+
+
+class Group(threading.Thread):
+    """One grouped hand-over statement, in a session of its own."""
+
+    def __init__(self, run: BatchRun, group: list[Handing]) -> None:
+        super().__init__()
+        self.run_id, self.group = run.pk, group
+        self.answers: list[HandOver] = []
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET lock_timeout = '60s'")
+            try:
+                self.answers = hand_over_group(self.run_id, self.group, LEASE)
+            except Exception as exc:
+                self.error = exc
+        finally:
+            connections["default"].close()
+
+
+def test_a_lease_renewal_and_a_group_whose_pools_sort_against_its_ids_do_not_deadlock() -> None:
+    from tests.testapp.fanouts_group import GROUP_POOL_EARLY_NAME, GROUP_POOL_LATE_NAME
+
+    for name in (GROUP_POOL_LATE_NAME, GROUP_POOL_EARLY_NAME):
+        CapacityPool.objects.create(name=name, max_concurrency=8)
+    run = prepared("group_pools_against_ids", n=4)
+    owners = ["host:1:a", "host:1:b", "host:1:c", "host:1:d"]
+    taken = claimed_one_each(run, owners)
+    # A renewal locks its rows in the order it finds them, by id or where they lie in the
+    # table; a group, by pool and then id. Two items whose pools sort against both orders:
+    where = dict(physical_places(run.pk))
+    (ta, a), (tb, b) = next(
+        (x, y)
+        for x in taken
+        for y in taken
+        if x[1].pool > y[1].pool and x[1].pk < y[1].pk and where[x[1].pk] < where[y[1].pk]
+    )
+    taken = [(ta, a), (tb, b)]
+    group = Group(
+        run,
+        [
+            Handing(ta, succeeded(a, pool=a.pool), "host:1:a", uuid.uuid4()),
+            Handing(tb, succeeded(b, pool=b.pool), "host:1:b", uuid.uuid4()),
+        ],
+    )
+    renewal = Renewal(taken)
+    # Nothing is left to hand the slots to: the group writes b, then waits for the run's row.
+    with RowHolder("fanout_batchrun", "id", run.pk):
+        group.start()
+        wait_until(lambda: hand_overs_waiting(run.pk, grouped=True), 30, "the group to wait")
+        renewal.start()
+        assert renewal.ready.wait(30)
+        assert renewal.pid is not None
+        pid = renewal.pid
+        wait_until(
+            lambda: not renewal.is_alive() or waiting_for_a_lock([pid]),
+            30,
+            "the renewal to wait or end",
+        )
+    group.join(60)
+    renewal.join(60)
+
+    # Neither is chosen as a deadlock's victim: the statement that records both outcomes, or
+    # the round that keeps every lease of the process alive, would fail.
+    assert group.error is None, group.error
+    assert renewal.error is None, renewal.error
+    assert [x.written for x in group.answers] == [True, True]
+    assert set(ItemClaim.objects.filter(pk__in=[a.pk, b.pk]).values_list("status", flat=True)) == {
+        ItemStatus.SUCCEEDED
+    }
+    run.refresh_from_db()
+    assert run.in_flight == 2
+    pools = CapacityPool.objects.filter(name__in=[a.pool, b.pool])
+    assert sorted(pools.values_list("in_flight", flat=True)) == [1, 1]
+
+
+class Settle(threading.Thread):
+    """A stopping worker's main thread records one finished item (fanout.rq._give_back), in a
+    session of its own."""
+
+    def __init__(self, run: BatchRun, token: uuid.UUID, item: Any) -> None:
+        super().__init__()
+        self.args_ = (run.pk, token, [succeeded(item, pool=item.pool)])
+        self.pid: int | None = None
+        self.ready = threading.Event()
+        self.written: list[int] | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET lock_timeout = '60s'")
+            self.pid = backend_pid()
+            self.ready.set()
+            try:
+                self.written = settle(*self.args_)
+            except Exception as exc:
+                self.error = exc
+        finally:
+            connections["default"].close()
+
+
+def test_a_group_takes_its_items_before_the_runs_row_as_a_record_of_one_of_them_does() -> None:
+    from tests.testapp.fanouts_group import GROUP_POOL_EARLY_NAME, GROUP_POOL_LATE_NAME
+
+    for name in (GROUP_POOL_LATE_NAME, GROUP_POOL_EARLY_NAME):
+        CapacityPool.objects.create(name=name, max_concurrency=8)
+    run = prepared("group_pools_against_ids", n=4)
+    taken = claimed_one_each(run, ["host:1:a", "host:1:b", "host:1:c", "host:1:d"])
+    # The group goes by pool: b, whose slot it gives up on the run's row, and then a.
+    (ta, a), (tb, b) = next((x, y) for x in taken for y in taken if x[1].pool > y[1].pool)
+    group = Group(
+        run,
+        [
+            Handing(ta, succeeded(a, pool=a.pool), "host:1:a", uuid.uuid4()),
+            Handing(tb, succeeded(b, pool=b.pool), "host:1:b", uuid.uuid4()),
+        ],
+    )
+    # Meanwhile the process stops, and its main thread records a for the thread that waits
+    # for the group: a's row, then the run's.
+    record = Settle(run, ta, a)
+    with RowHolder("fanout_batchrun", "id", run.pk):
+        group.start()
+        wait_until(lambda: hand_overs_waiting(run.pk, grouped=True), 30, "the group to wait")
+        record.start()
+        assert record.ready.wait(30)
+        assert record.pid is not None
+        pid = record.pid
+        wait_until(lambda: waiting_for_a_lock([pid]), 30, "the record to wait")
+    group.join(60)
+    record.join(60)
+
+    # Neither is a deadlock's victim; b is recorded once, and a once, by one of them.
+    assert group.error is None, group.error
+    assert record.error is None, record.error
+    assert [x.written for x in group.answers].count(True) + len(record.written or []) == 2
+    assert set(ItemClaim.objects.filter(pk__in=[a.pk, b.pk]).values_list("status", flat=True)) == {
+        ItemStatus.SUCCEEDED
+    }
+    run.refresh_from_db()
+    assert run.in_flight == 2
+    pools = CapacityPool.objects.filter(name__in=[a.pool, b.pool])
+    assert sorted(pools.values_list("in_flight", flat=True)) == [1, 1]

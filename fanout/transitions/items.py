@@ -639,8 +639,9 @@ def hand_over_group(run_id: int, group: Sequence[Handing], lease_seconds: float)
     per item, in ``group``'s order.
 
     Each outcome is fenced by its own token and each item's next one is picked for its owner,
-    exactly as one by one; ordered by pool, then id, so that the slots given up lock the run's
-    row and then the pools' in name order, the order every transaction keeps.
+    exactly as one by one. The statement locks every item first (in id order), and then the
+    slots given up lock the run's row and the pools' in name order (the hand-overs go by pool,
+    then id): items, run, pools, the order every transaction keeps.
     """
     assert all(h.outcome.kind == SUCCEEDED for h in group), "only successes are handed over"
     order = sorted(range(len(group)), key=lambda n: (group[n].outcome.pool, group[n].outcome.pk))

@@ -39,3 +39,19 @@ FanOut(
     max_parallel=8,
     lease_seconds=3,
 )
+
+# Pools named against the work list's order: the first item's pool sorts after the second's,
+# so a group orders its items against their ids.
+GROUP_POOL_LATE_NAME = "group-z"
+GROUP_POOL_EARLY_NAME = "group-a"
+
+FanOut(
+    "group_pools_against_ids",
+    over=lambda params: range(int(params.get("n", 2))),
+    key=lambda i: f"p{i:05d}",
+    payload=lambda i: i,
+    do=lambda item: {"i": item.payload},
+    pool=lambda item: GROUP_POOL_LATE_NAME if item.payload % 2 == 0 else GROUP_POOL_EARLY_NAME,
+    max_parallel=8,
+    lease_seconds=30,
+)
