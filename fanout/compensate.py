@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from django.db import transaction
@@ -36,6 +37,7 @@ from .call import execute as run_item
 from .claim import claim_compensations, lock_run
 from .conf import conf
 from .definition import FanOut
+from .errors import ride_out
 from .join import cancel_children
 from .lease import LeaseKeeper
 from .models import BatchRun, ItemClaim, ItemStatus, RunStatus
@@ -213,7 +215,11 @@ def drain(
     keeper = keeper or LeaseKeeper(definition.lease_seconds).start()
     try:
         while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            taken = claim(run_id, definition, owner)
+            # A deadlock's victim (MariaDB's claims and records lock the run's row and its
+            # items) or a restarting server is tried again, as the forward path's are.
+            taken = ride_out(lambda: claim(run_id, definition, owner), stop, f"run {run_id}")
+            if taken is None:
+                break
             if taken.run_status != RunStatus.COMPENSATING:
                 return f"run {taken.run_status}"
             if not taken.items:
@@ -226,14 +232,16 @@ def drain(
                 continue
             ran(len(taken.items))
             assert taken.token is not None
-            _run_taken(definition, run, taken, keeper)
+            _run_taken(definition, run, taken, keeper, stop)
     finally:
         if own:
             keeper.stop()
     return "stopped"
 
 
-def _run_taken(definition: FanOut, run: BatchRun, taken: Taken, keeper: LeaseKeeper) -> None:
+def _run_taken(
+    definition: FanOut, run: BatchRun, taken: Taken, keeper: LeaseKeeper, stop: Any
+) -> None:
     assert taken.token is not None
     keeper.hold(taken.token, [item.pk for item, _ in taken.items])
     try:
@@ -241,6 +249,9 @@ def _run_taken(definition: FanOut, run: BatchRun, taken: Taken, keeper: LeaseKee
             keeper.started(item.pk, definition.timeout_for(item.key))
             outcome = execute(definition, run, item, result)
             keeper.finished(item.pk)
-            record(run.pk, definition, taken.token, item, outcome)
+            # Fenced by the claim's token: a try rolled back is tried again whole; a worker
+            # that stops first leaves the item to its lease, and it is compensated again.
+            done = partial(record, run.pk, definition, taken.token, item, outcome)
+            ride_out(done, stop, f"run {run.pk}")
     finally:
         keeper.drop([item.pk for item, _ in taken.items])

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from django.db import InterfaceError, OperationalError
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from django.db import InterfaceError, OperationalError, connection
+
+logger = logging.getLogger("fanout")
 
 
 class PermanentError(Exception):
@@ -89,3 +96,29 @@ def is_transient(exc: BaseException) -> bool:
 
 class EmptyWorkList(MaterializeError):
     """The work list was empty and its definition refuses that (``allow_empty=False``)."""
+
+
+def ride_out[T](
+    op: Callable[[], T], stop: threading.Event, what: str, give_up_after: float | None = None
+) -> T | None:
+    """Run ``op`` (a transaction of its own) until it is not cut by a transient error: a
+    deadlock's victim or a restarting server is tried again, a new connection each time.
+
+    None once ``stop`` is set or ``give_up_after`` seconds have passed; an error that will
+    never go away (is_transient) is raised.
+    """
+    started = time.monotonic()
+    pause = 0.1
+    while True:
+        try:
+            return op()
+        except (OperationalError, InterfaceError) as exc:
+            if not is_transient(exc):
+                raise
+            logger.warning("%s: database unavailable (%s); retrying", what, exc)
+            connection.close()
+            if give_up_after is not None and time.monotonic() - started > give_up_after:
+                return None
+            if stop.wait(pause):
+                return None
+            pause = min(pause * 2, 2.0)

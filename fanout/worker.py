@@ -22,7 +22,7 @@ from .call import execute
 from .claim import EXPIRED_CHECK_SECONDS, ClaimResult, _expired_checked, claim
 from .conf import conf, host_name
 from .definition import FanOut, get_definition, registered
-from .errors import FanoutError, is_transient
+from .errors import FanoutError, is_transient, ride_out
 from .group_commit import shared_hand_over
 from .join import maybe_join, settle_up
 from .lease import Keepers, LeaseKeeper
@@ -661,21 +661,7 @@ class Drain:
 
         An error that will never go away (see errors.is_transient) is raised: the drain stops.
         """
-        started = time.monotonic()
-        pause = 0.1
-        while True:
-            try:
-                return op()
-            except (OperationalError, InterfaceError) as exc:
-                if not is_transient(exc):
-                    raise
-                logger.warning("run %s: database unavailable (%s); retrying", self.run_id, exc)
-                connection.close()
-                if give_up_after is not None and time.monotonic() - started > give_up_after:
-                    return None
-                if self.stop.wait(pause):
-                    return None
-                pause = min(pause * 2, 2.0)
+        return ride_out(op, self.stop, f"run {self.run_id}", give_up_after)
 
 
 # The longest a Roam stays on one run while other runs of its queue are open: items are the
