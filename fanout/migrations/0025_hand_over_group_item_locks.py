@@ -9,47 +9,20 @@ of its items first, in id order, then runs the hand-overs in the caller's order 
 id), so items come before the run's row and the pools, as everywhere else.
 """
 
+import importlib
+
 from django.db import migrations
 
-POSTGRESQL = r"""
-CREATE OR REPLACE FUNCTION fanout_hand_over_group(
-    p_pks bigint[],
-    p_tokens uuid[],
-    p_results text[],
-    p_elapsed double precision[],
-    p_run_id bigint,
-    p_pools text[],
-    p_owners text[],
-    p_new_tokens uuid[],
-    p_lease double precision
-) RETURNS TABLE (
-    done bigint,
-    next_id bigint,
-    next_key text,
-    next_index integer,
-    next_payload jsonb,
-    next_pool text,
-    next_attempt integer,
-    next_started_at timestamptz
-) LANGUAGE plpgsql AS $$
-BEGIN
-    -- The items first, in id order, before any hand-over locks a counter row.
-    PERFORM 1 FROM fanout_itemclaim WHERE id = ANY(p_pks) ORDER BY id FOR NO KEY UPDATE;
-    FOR n IN 1 .. coalesce(array_length(p_pks, 1), 0) LOOP
-        RETURN QUERY SELECT * FROM fanout_hand_over(
-            p_pks[n], p_tokens[n], p_results[n]::jsonb, p_elapsed[n], p_run_id, p_pools[n],
-            p_owners[n], p_new_tokens[n], p_lease);
-    END LOOP;
-END
-$$;
-"""
+_0024 = importlib.import_module("fanout.migrations.0024_hand_over_group")
 
-# 0024's function, which the reverse puts back.
-PREVIOUS = POSTGRESQL.replace(
+_BEGIN = "LANGUAGE plpgsql AS $$\nBEGIN\n"
+_ITEMS_FIRST = (
     "    -- The items first, in id order, before any hand-over locks a counter row.\n"
-    "    PERFORM 1 FROM fanout_itemclaim WHERE id = ANY(p_pks) ORDER BY id FOR NO KEY UPDATE;\n",
-    "",
+    "    PERFORM 1 FROM fanout_itemclaim WHERE id = ANY(p_pks) ORDER BY id FOR NO KEY UPDATE;\n"
 )
+assert _0024.POSTGRESQL.count(_BEGIN) == 1
+POSTGRESQL = _0024.POSTGRESQL.replace(_BEGIN, _BEGIN + _ITEMS_FIRST)
+PREVIOUS = _0024.POSTGRESQL  # what the reverse puts back
 
 
 def create(apps, schema_editor):
